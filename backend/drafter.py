@@ -1,0 +1,148 @@
+"""The drafter: a small model with its own paged KV cache that proposes tokens.
+
+Its protocol is deliberately narrow so that it can live in another process or on another device:
+each `propose` call carries, per sequence, only the tokens committed since the last call; the
+drafter keeps its own copy of every sequence's tokens, keeps the K/V of its previous proposals
+that turned out to be accepted, and catches up on the rest (after gamma = 0 steps, or for a new
+sequence) with one ragged forward before drafting.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .loader import load_model
+from .model import CausalLM
+from .sampler import make_generator, processed_probs
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    seq_id: str
+    new_tokens: list[int]          # committed since this sequence's previous DraftRequest
+    gamma: int
+    params: SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None     # [len(tokens), V] draft distributions; None for greedy requests
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0                # tokens whose K/V are cached (may include a speculative tail)
+    spec_tail: list[int] = field(default_factory=list)   # cached drafts not yet confirmed
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, seed: int = 0):
+        self.model = model
+        self.kv = kv_cache
+        self.device = kv_cache.device if hasattr(kv_cache, "device") else torch.device("cpu")
+        self._seqs: dict[str, _SeqState] = {}
+        self._seed_source = make_generator(seed)
+        self.last_propose_s = 0.0
+        self.num_catchup_tokens = 0   # tokens re-fed to rebuild the drafter's KV (switching cost)
+
+    @classmethod
+    def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
+             block_size: int, seed: int = 0) -> "Drafter":
+        model = load_model(path, device=device, dtype=dtype)
+        kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
+                                    dtype=dtype, device=device)
+        return cls(model, kv, seed=seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def free(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+        self.kv.free(seq_id)
+
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        proposals = [Proposal([], None) for _ in requests]
+        active: list[int] = []
+        for i, req in enumerate(requests):
+            st = self._sync(req)
+            if req.gamma > 0 and self.kv.ensure_capacity(req.seq_id, len(st.tokens) + req.gamma - 1):
+                active.append(i)
+            # else: no room in the drafter's cache; this sequence simply isn't speculated on.
+
+        # Forward 1 feeds each sequence's uncached tail (usually 1-2 tokens); forwards 2..gamma
+        # feed the previous draft. A sequence drops out once it has its gamma drafts.
+        feed = {i: self._seqs[requests[i].seq_id].tokens[self._seqs[requests[i].seq_id].kv_len:]
+                for i in active}
+        self.num_catchup_tokens += sum(max(0, len(f) - 1) for f in feed.values())
+        step = 0
+        while active:
+            seq_ids = [requests[i].seq_id for i in active]
+            states = [self._seqs[s] for s in seq_ids]
+            num_new = [len(feed[i]) for i in active]
+            meta = self.kv.prepare(seq_ids, [st.kv_len for st in states], num_new)
+            input_ids = torch.tensor([t for i in active for t in feed[i]], dtype=torch.long,
+                                     device=self.device)
+            last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
+            logits = self.model(input_ids, meta, self.kv, last)
+            tokens, probs = self._draw(logits, [requests[i].params for i in active], states)
+            still: list[int] = []
+            for row, i in enumerate(active):
+                st = states[row]
+                st.kv_len += num_new[row]
+                if st.kv_len > len(st.tokens):
+                    st.spec_tail.append(feed[i][-1])
+                proposal = proposals[i]
+                proposal.tokens.append(tokens[row])
+                if probs is not None and not requests[i].params.greedy:
+                    proposal.probs = probs[row:row + 1] if proposal.probs is None else \
+                        torch.cat([proposal.probs, probs[row:row + 1]])
+                if len(proposal.tokens) < requests[i].gamma:
+                    feed[i] = [tokens[row]]
+                    still.append(i)
+            active = still
+            step += 1
+        self.last_propose_s = time.perf_counter() - t0
+        return proposals
+
+    def _sync(self, req: DraftRequest) -> _SeqState:
+        """Append newly committed tokens; keep only the cached drafts that were accepted."""
+        st = self._seqs.get(req.seq_id)
+        if st is None:
+            seed = None if req.params.seed is None else req.params.seed + 1
+            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(
+                seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))))
+        base = len(st.tokens)
+        matched = 0
+        for drafted, committed in zip(st.spec_tail, req.new_tokens):
+            if drafted != committed:
+                break
+            matched += 1
+        st.tokens.extend(req.new_tokens)
+        st.kv_len = min(st.kv_len, base + matched, len(st.tokens) - 1)
+        st.spec_tail = []
+        if base:   # a new sequence owns no blocks yet
+            self.kv.truncate(req.seq_id, st.kv_len)
+        return st
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], states: list[_SeqState]):
+        tokens = logits.argmax(dim=-1).tolist()
+        if all(p.greedy for p in params):
+            return tokens, None
+        probs = processed_probs(logits, params)
+        for row, (p, st) in enumerate(zip(params, states)):
+            if not p.greedy:
+                tokens[row] = int(torch.multinomial(probs[row], 1, generator=st.generator).item())
+        return tokens, probs

@@ -1,0 +1,167 @@
+"""Per-request sampling parameters, validated once at the door.
+
+Clients of Triton's vLLM backend (and genai-perf) send numbers as strings, e.g.
+``{"max_tokens": "8"}``, so ``from_dict`` coerces before validating.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a client; the message says what is wrong and is safe to return."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0                 # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    # Per-request opt-out of speculative decoding (the request still decodes, just without drafts).
+    speculative: bool = True
+    min_tokens: int = 0
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:  # vLLM's spelling of "disabled"
+            object.__setattr__(self, "top_k", 0)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature > 100.0:
+            raise InvalidRequest(f"temperature must be <= 100, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequest(f"stop strings must be non-empty strings, got {s!r}")
+
+    # --- parsing from the wire -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, **overrides: Any) -> "SamplingParams":
+        """Build from a JSON object as clients send it; unknown keys are refused by name."""
+        values: dict[str, Any] = {}
+        for key, value in {**(raw or {}), **{k: v for k, v in overrides.items() if v is not None}}.items():
+            key = _ALIASES.get(key, key)
+            if key in _IGNORED:
+                continue
+            if key in ("n", "best_of"):
+                if _to_int(key, value) != 1:
+                    raise InvalidRequest(f"{key} must be 1: one completion per request is supported")
+                continue
+            if key not in _COERCE:
+                known = ", ".join(sorted(_COERCE))
+                raise InvalidRequest(f"unknown sampling parameter {key!r}; known: {known}")
+            values[key] = _COERCE[key](key, value)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None, **overrides: Any) -> "SamplingParams":
+        raw: Any = {}
+        if text:
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise InvalidRequest("sampling_parameters must be a JSON object")
+        return cls.from_dict(raw, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+
+def _to_int(key: str, v: Any) -> int:
+    if isinstance(v, bool):
+        raise InvalidRequest(f"{key} must be an integer, got {v!r}")
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise InvalidRequest(f"{key} must be an integer, got {v!r}")
+
+
+def _to_opt_int(key: str, v: Any) -> int | None:
+    return None if v is None else _to_int(key, v)
+
+
+def _to_float(key: str, v: Any) -> float:
+    if isinstance(v, bool):
+        raise InvalidRequest(f"{key} must be a number, got {v!r}")
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            pass
+    raise InvalidRequest(f"{key} must be a number, got {v!r}")
+
+
+def _to_bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+        return v.strip().lower() in ("true", "1")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise InvalidRequest(f"{key} must be a boolean, got {v!r}")
+
+
+def _to_stop(key: str, v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise InvalidRequest(f"{key} must be a string or a list of strings, got {v!r}")
+
+
+_COERCE = {
+    "max_tokens": _to_int,
+    "min_tokens": _to_int,
+    "temperature": _to_float,
+    "top_k": _to_int,
+    "top_p": _to_float,
+    "seed": _to_opt_int,
+    "stop": _to_stop,
+    "ignore_eos": _to_bool,
+    "speculative": _to_bool,
+}
+# Spellings other front ends use for the same knob.
+_ALIASES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop"}
+# Accepted for drop-in compatibility with vLLM-backend clients but with no effect here; listed so
+# that typos are still refused.
+_IGNORED = {"stream", "logprobs", "detokenize", "skip_special_tokens",
+            "spaces_between_special_tokens"}

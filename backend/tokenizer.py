@@ -1,0 +1,65 @@
+"""Tokenizer loading (Hugging Face tokenizer.json) and incremental detokenization."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: _HFTokenizer, eos_token_ids: tuple[int, ...]):
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        tok = _HFTokenizer.from_file(str(file))
+        eos = set(eos_token_ids)
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.is_file():
+            eos_token = json.loads(cfg_file.read_text()).get("eos_token")
+            if isinstance(eos_token, dict):  # AddedToken serialisation
+                eos_token = eos_token.get("content")
+            if eos_token and tok.token_to_id(eos_token) is not None:
+                eos.add(tok.token_to_id(eos_token))
+        return cls(tok, tuple(sorted(eos)))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    A byte-level BPE token can end in the middle of a multi-byte character; decoding it alone
+    gives U+FFFD. We only emit text once the tail decodes cleanly, and we decode a short window
+    (from the last clean boundary) rather than the whole output every step.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0   # start of the decode window (a clean boundary)
+        self._read = 0     # ids before this are already reflected in self.text
+        self.text = ""
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """Add tokens; return the newly decodable text."""
+        self._ids.extend(new_ids)
+        window = self._tok.decode(self._ids[self._prefix:])
+        done = self._tok.decode(self._ids[self._prefix:self._read])
+        if len(window) <= len(done) or (window.endswith("\ufffd") and not final):
+            return ""
+        delta = window[len(done):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
