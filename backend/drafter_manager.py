@@ -1,0 +1,192 @@
+"""Owns the engine's drafter: builds it (in-process or as a worker on its own device), notices
+when it fails, degrades to plain decoding meanwhile, and brings a fresh worker up in the
+background.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from .drafter import DraftRequest, Drafter, Proposal
+from .drafter_worker import DrafterFailed, RemoteDrafter, WorkerSpec, plan_cpu_placement
+from .engine_config import EngineConfig
+
+log = logging.getLogger("nightdraft.drafter")
+
+
+class _Done:
+    """A proposal computed in line (in-process drafter): `result()` just returns it."""
+
+    def __init__(self, proposals: list[Proposal]):
+        self._proposals = proposals
+
+    def result(self) -> list[Proposal]:
+        return self._proposals
+
+
+class DrafterManager:
+    def __init__(self, config: EngineConfig, *, vocab_size: int, kv_cache_bytes: int,
+                 max_rows: int, dtype: torch.dtype):
+        self.config = config
+        self.remote = config.drafter_device is not None
+        self._vocab_size = vocab_size
+        self._kv_cache_bytes = kv_cache_bytes
+        self._max_rows = max_rows
+        self._dtype = dtype
+        self.failures = 0
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._failed_at: float | None = None
+        self._replacement: RemoteDrafter | None = None
+        self._restarting = False
+        self._lock = threading.Lock()
+        self.drafter: Drafter | RemoteDrafter | None = self._build()
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _build(self):
+        cfg = self.config
+        if not self.remote:
+            return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
+                                kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
+                                seed=cfg.seed)
+        spec = WorkerSpec(path=cfg.drafter, device=cfg.drafter_device,
+                          dtype=str(self._dtype).removeprefix("torch."),
+                          kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
+                          seed=cfg.seed)
+        return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
+                             timeout_s=cfg.drafter_timeout_s)
+
+    @staticmethod
+    def pin_target_process(config: EngineConfig) -> list[int] | None:
+        """On a CPU host with the drafter on its own cores, keep the target off them."""
+        if config.drafter_device is None or not config.drafter_device.startswith("cpu"):
+            return None
+        _, target_cores = plan_cpu_placement(config.drafter_device)
+        os.sched_setaffinity(0, target_cores)
+        if not config.num_threads:
+            torch.set_num_threads(len(target_cores))
+        return target_cores
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def state(self) -> str:
+        if self.drafter is not None:
+            return "on_device"
+        return "restarting" if self._restarting else "failed"
+
+    @property
+    def kv_usage(self) -> float:
+        d = self.drafter
+        if d is None:
+            return 0.0
+        return d.kv_usage if isinstance(d, RemoteDrafter) else d.kv.usage()
+
+    @property
+    def last_propose_s(self) -> float:
+        return self.drafter.last_propose_s if self.drafter is not None else 0.0
+
+    @property
+    def catchup_tokens(self) -> int:
+        return self.drafter.num_catchup_tokens if self.drafter is not None else 0
+
+    def num_sequences(self) -> int:
+        return self.drafter.num_sequences() if self.drafter is not None else 0
+
+    def refresh_stats(self) -> None:
+        if isinstance(self.drafter, RemoteDrafter):
+            try:
+                self.drafter.refresh_stats()
+            except DrafterFailed as e:
+                self._failed(e)
+
+    # -- the protocol, failure-tolerant ----------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal] | None:
+        pending = self.propose_async(requests)
+        return self.collect(pending)
+
+    def propose_async(self, requests: list[DraftRequest]):
+        if self.drafter is None or not requests:
+            return None
+        try:
+            if isinstance(self.drafter, RemoteDrafter):
+                return self.drafter.propose_async(requests)
+            return _Done(self.drafter.propose(requests))
+        except DrafterFailed as e:
+            self._failed(e)
+            return None
+
+    def collect(self, pending) -> list[Proposal] | None:
+        if pending is None or self.drafter is None:
+            return None
+        try:
+            return pending.result()
+        except DrafterFailed as e:
+            self._failed(e)
+            return None
+
+    def free(self, seq_id: str) -> None:
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.free(seq_id)
+        except DrafterFailed as e:
+            self._failed(e)
+
+    def _failed(self, error: Exception) -> None:
+        self.failures += 1
+        self.last_failure = str(error)
+        self._failed_at = time.monotonic()
+        log.error("drafter failed (%s); decoding without speculation until a new worker is up", error)
+        dead, self.drafter = self.drafter, None
+        if isinstance(dead, RemoteDrafter):
+            try:
+                dead.close(timeout_s=1.0)
+            except Exception:  # noqa: BLE001 - it is already broken; nothing more to report
+                pass
+
+    def poll(self) -> bool:
+        """Called every step: start a replacement after a failure, swap it in once ready.
+        True when a new drafter just came in (it knows no sequences yet)."""
+        if self.drafter is not None or not self.remote:
+            return False
+        with self._lock:
+            ready, self._replacement = self._replacement, None
+        if ready is not None:
+            self.drafter = ready
+            self.restarts += 1
+            log.info("drafter worker restarted (pid %s); speculation resumes", ready.pid)
+            return True
+        if (not self._restarting and self._failed_at is not None
+                and time.monotonic() - self._failed_at >= self.config.drafter_restart_s):
+            self._restarting = True
+            threading.Thread(target=self._restart, name="nightdraft-drafter-restart",
+                             daemon=True).start()
+        return False
+
+    def _restart(self) -> None:
+        try:
+            fresh = self._build()
+            with self._lock:
+                self._replacement = fresh
+        except Exception as e:  # noqa: BLE001 - a failed restart is retried later
+            log.error("drafter restart failed: %s", e)
+            self._failed_at = time.monotonic()
+        finally:
+            self._restarting = False
+
+    def close(self) -> None:
+        for d in (self.drafter, self._replacement):
+            if isinstance(d, RemoteDrafter):
+                d.close()
+        self.drafter = self._replacement = None

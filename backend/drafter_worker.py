@@ -1,0 +1,263 @@
+"""The drafter in its own process, bound to its own device.
+
+On a CUDA host the worker owns a GPU of its own; on a CPU-only host it owns a set of cores (and
+the engine's process keeps the others), which gives the target and the drafter real parallelism.
+The protocol is four messages over a pipe: `propose` (per sequence: the tokens committed since
+its last proposal, gamma and sampling params), `free`, `ping` and `shutdown`. Draft probabilities,
+the only bulky payload, are written into a shared-memory buffer allocated once by the engine
+and copied out once on arrival (never pickled through the pipe).
+
+`RemoteDrafter` has the in-process `Drafter`'s interface plus `propose_async`, so sequential SD
+and batch-parallel SD run unchanged on top of it. A worker that dies or stops answering within
+`timeout_s` raises `DrafterFailed`; the engine then decodes without drafts.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .drafter import DraftRequest, Proposal
+
+log = logging.getLogger("nightdraft.drafter_worker")
+
+
+class DrafterFailed(RuntimeError):
+    """The drafter worker died, hung, or refused a request."""
+
+
+def parse_cores(spec: str) -> list[int]:
+    """'1' -> [1]; '0,2' -> [0, 2]; '2-3' -> [2, 3]."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            cores += range(int(lo), int(hi) + 1)
+        elif part:
+            cores.append(int(part))
+    return cores
+
+
+def plan_cpu_placement(drafter_device: str) -> tuple[list[int], list[int]]:
+    """(drafter cores, target cores) for a `cpu` or `cpu:CORES` drafter device."""
+    available = sorted(os.sched_getaffinity(0))
+    if drafter_device == "cpu":
+        drafter = available[-1:]
+    else:
+        drafter = parse_cores(drafter_device.split(":", 1)[1])
+        missing = set(drafter) - set(available)
+        if missing:
+            raise ValueError(f"drafter_device {drafter_device!r}: cores {sorted(missing)} are not "
+                             f"available to this process (have {available})")
+    target = [c for c in available if c not in drafter] or available
+    return drafter, target
+
+
+@dataclass
+class WorkerSpec:
+    path: str
+    device: str               # "cpu", "cpu:CORES" or "cuda:N"
+    dtype: str
+    kv_cache_bytes: int
+    block_size: int
+    seed: int
+
+
+def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> None:
+    from .drafter import Drafter
+
+    if spec.device.startswith("cpu"):
+        cores, _ = plan_cpu_placement(spec.device)
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        device = "cpu"
+    else:
+        device = spec.device
+    dtype = getattr(torch, spec.dtype)
+    drafter = Drafter.load(spec.path, device=device, dtype=dtype, kv_cache_bytes=spec.kv_cache_bytes,
+                           block_size=spec.block_size, seed=spec.seed)
+    conn.send(("ready", {"pid": os.getpid(), "kv_blocks": drafter.kv.num_blocks}))
+    capacity = probs_buffer.shape[0] if probs_buffer is not None else 0
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "propose":
+            _, call_id, requests = msg
+            t0 = time.perf_counter()
+            proposals = drafter.propose(requests)
+            offset = 0
+            replies = []
+            for p in proposals:
+                if p.probs is None or probs_buffer is None:
+                    replies.append((p.tokens, -1))
+                    continue
+                rows = p.probs.shape[0]
+                if offset + rows > capacity:   # no room (more rows than sized for): pickle it
+                    replies.append((p.tokens, p.probs.cpu()))
+                    continue
+                probs_buffer[offset:offset + rows].copy_(p.probs)
+                replies.append((p.tokens, offset))
+                offset += rows
+            conn.send(("proposals", call_id, replies, time.perf_counter() - t0,
+                       drafter.kv.usage(), drafter.num_sequences(), drafter.num_catchup_tokens))
+        elif kind == "free":
+            for seq_id in msg[1]:
+                drafter.free(seq_id)
+        elif kind == "ping":
+            conn.send(("pong", drafter.kv.usage(), drafter.num_sequences()))
+        elif kind == "shutdown":
+            conn.send(("bye",))
+            return
+
+
+class DraftFuture:
+    def __init__(self, owner: "RemoteDrafter", call_id: int):
+        self._owner, self._call_id = owner, call_id
+        self._result: list[Proposal] | None = None
+
+    def result(self) -> list[Proposal]:
+        if self._result is None:
+            self._result = self._owner._collect(self._call_id)
+        return self._result
+
+
+class RemoteDrafter:
+    def __init__(self, spec: WorkerSpec, *, vocab_size: int, max_rows: int, timeout_s: float = 10.0,
+                 start_timeout_s: float = 120.0):
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._probs = None
+        if spec.device.startswith("cpu"):
+            # Shared memory on CPU; on CUDA the probabilities travel as CUDA IPC tensors instead.
+            self._probs = torch.zeros(max_rows, vocab_size).share_memory_()
+        self._conn, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_worker_main, args=(child, spec, self._probs),
+                                       daemon=True, name="nightdraft-drafter")
+        self._proc.start()
+        child.close()
+        self._call_id = 0
+        self._in_flight: int | None = None
+        self._pending_frees: list[str] = []
+        self._num_sequences = 0
+        self.kv_usage = 0.0
+        self.last_propose_s = 0.0
+        self.num_catchup_tokens = 0
+        self.pid = None
+        reply = self._recv(start_timeout_s)
+        if reply[0] != "ready":
+            raise DrafterFailed(f"drafter worker did not start: {reply!r}")
+        self.pid = reply[1]["pid"]
+
+    # -- the Drafter interface -----------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        return self.propose_async(requests).result()
+
+    def propose_async(self, requests: list[DraftRequest]) -> DraftFuture:
+        if self._in_flight is not None:
+            raise RuntimeError("one proposal at a time: collect the previous one first")
+        self._flush_frees()
+        self._call_id += 1
+        self._send(("propose", self._call_id, requests))
+        self._in_flight = self._call_id
+        return DraftFuture(self, self._call_id)
+
+    def free(self, seq_id: str) -> None:
+        self._pending_frees.append(seq_id)
+        if self._in_flight is None:
+            self._flush_frees()
+
+    def num_sequences(self) -> int:
+        return self._num_sequences
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._proc.is_alive():
+            try:
+                self._in_flight = None
+                self._conn.send(("shutdown",))
+                self._proc.join(timeout_s)
+            except (OSError, BrokenPipeError):
+                pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout_s)
+        self._conn.close()
+
+    def refresh_stats(self) -> None:
+        """Ask the worker for its KV usage and sequence count (both also arrive with proposals)."""
+        if self._in_flight is not None:
+            return
+        self._flush_frees()
+        self._send(("ping",))
+        _, self.kv_usage, self._num_sequences = self._recv(self.timeout_s)
+
+    def kill(self) -> None:
+        """For failure tests: the worker dies as if it crashed."""
+        self._proc.kill()
+        self._proc.join(5)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _flush_frees(self) -> None:
+        if self._pending_frees:
+            self._send(("free", self._pending_frees))
+            self._pending_frees = []
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except (OSError, BrokenPipeError) as e:
+            raise DrafterFailed(f"drafter worker is gone ({e})") from None
+
+    def _recv(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # Short polls so that a dead worker is noticed at once, not at the deadline.
+            if self._conn.poll(0.05):
+                try:
+                    return self._conn.recv()
+                except (EOFError, OSError) as e:
+                    raise DrafterFailed(f"drafter worker is gone ({e})") from None
+            if not self._proc.is_alive():
+                raise DrafterFailed(f"drafter worker exited (code {self._proc.exitcode})")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise DrafterFailed(f"drafter worker did not answer within {timeout_s:.1f}s; killed it")
+
+    def _collect(self, call_id: int) -> list[Proposal]:
+        if self._in_flight != call_id:
+            raise RuntimeError("proposal already collected")
+        try:
+            reply = self._recv(self.timeout_s)
+        finally:
+            self._in_flight = None
+        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup = reply
+        assert got_id == call_id, "drafter replies out of order"
+        self.last_propose_s, self.kv_usage, self._num_sequences = elapsed, kv_usage, num_seqs
+        self.num_catchup_tokens = catchup
+        self._flush_frees()
+        out = []
+        for tokens, where in replies:
+            if isinstance(where, torch.Tensor):
+                probs = where
+            elif where >= 0:
+                # One copy out of shared memory: the next call reuses the buffer while these
+                # proposals may still wait a step for verification (batch-parallel SD).
+                probs = self._probs[where:where + len(tokens)].clone()
+            else:
+                probs = None
+            out.append(Proposal(tokens, probs))
+        return out

@@ -1,0 +1,291 @@
+"""`nightdraft bench compare`: AR, SD and batch-parallel SD side by side, in one process run.
+
+Every configuration is loaded once; then, at each concurrency, each configuration runs the same
+prompts in turn (the order rotates between repeats), so the machine's noise falls on all of them
+alike. Rows say which comparison they are:
+
+  ar-1dev  plain decoding, the target on one core (the device the target has in SD/PSD)
+  ar-2dev  plain decoding given both cores (two threads): what the drafter's device buys AR
+  sd       sequential SD, drafter in its worker on its own core (MineDraft's baseline)
+  psd      batch-parallel SD, same two devices as sd
+
+Next to each measured throughput stands the cost model's prediction from a calibration of the
+same forwards (planner/cost_model.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from planner.cost_model import CostProfile, predict, psd_speedup_bound
+from .bench_offline import add_engine_args
+from .prompts import load_prompts
+
+CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
+
+
+def add_compare_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("compare", help="AR vs SD vs PSD, interleaved, at several concurrencies")
+    add_engine_args(p)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--concurrency", default="1,4,16,32,64", help="comma-separated levels")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests-per-level", type=float, default=2.0,
+                   help="requests per run = this x concurrency (at least 8)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", default=None)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--json", default="bench-compare.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    p.set_defaults(func=run_compare_cli)
+
+
+@dataclass
+class Placement:
+    cores: list[int]
+    threads: int
+
+
+def _placements() -> tuple[Placement, Placement]:
+    cores = sorted(os.sched_getaffinity(0))
+    one = Placement(cores[:-1] or cores, max(1, len(cores) - 1))
+    return one, Placement(cores, len(cores))
+
+
+def _apply(p: Placement) -> None:
+    os.sched_setaffinity(0, p.cores)
+    torch.set_num_threads(p.threads)
+
+
+def build_engines(args, names: list[str]) -> dict:
+    from backend.engine import Engine
+    from backend.engine_config import EngineConfig
+
+    one, both = _placements()
+    common = dict(target=args.target, device=args.device, dtype=args.dtype,
+                  kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0)
+    engines = {}
+    for name in names:
+        print(f"loading {name} ...", file=sys.stderr)
+        if name == "ar-1dev":
+            engines[name] = (Engine(EngineConfig(**common, num_threads=one.threads)), one)
+        elif name == "ar-2dev":
+            engines[name] = (Engine(EngineConfig(**common, num_threads=both.threads)), both)
+        elif name in ("sd", "psd"):
+            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, mode=name,
+                                                 gamma=args.gamma, drafter_device="cpu",
+                                                 num_threads=one.threads)), one)
+        else:
+            raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
+    return engines
+
+
+def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placement: Placement,
+              reps: int = 5) -> CostProfile:
+    """Time bare forwards of the target (b x 1 and b x (gamma+1) tokens) and of the drafter
+    (b x 1), with ~128 tokens of context each, under the target's placement."""
+    from backend.kv_cache import PagedKVCache
+    from backend.loader import load_model
+
+    _apply(placement)
+    profile = CostProfile()
+    drafter = load_model(drafter_path, device=engine.config.device, dtype=engine.dtype)
+    for name, model in (("target", engine.target), ("drafter", drafter)):
+        for b in batches:
+            for n in ((1, gamma + 1) if name == "target" else (1,)):
+                kv = PagedKVCache.for_model(model.config, 64 << 20, block_size=16,
+                                            dtype=engine.dtype, device=engine.config.device)
+                ids = [f"c{i}" for i in range(b)]
+                ctx = 128
+                for s in ids:
+                    kv.ensure_capacity(s, ctx + n)
+                times = []
+                with torch.inference_mode():
+                    for r in range(reps + 1):
+                        meta = kv.prepare(ids, [ctx] * b, [n] * b)
+                        x = torch.randint(0, model.config.vocab_size, (b * n,))
+                        t0 = time.perf_counter()
+                        model(x, meta, kv, None)
+                        if r:
+                            times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+                if name == "target":
+                    profile.verify[(b, n)] = t
+                else:
+                    profile.draft[b] = t
+    return profile
+
+
+def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,
+              max_tokens: int, temperature: float) -> dict:
+    from backend.sampling_params import SamplingParams
+
+    _apply(placement)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                             seed=None if temperature == 0 else i) for i in range(len(prompts))]
+    s0 = _snapshot(engine)
+    sums = {"draft": 0.0, "verify": 0.0, "step": 0.0, "psd_draft": 0.0, "psd_verify": 0.0,
+            "psd_step": 0.0, "steps": 0}
+
+    def on_step(_outs):
+        st = engine.stats().last_step
+        sums["draft"] += st.t_draft_s
+        sums["verify"] += st.t_verify_s
+        sums["step"] += st.t_step_s
+        sums["steps"] += 1
+        if st.mode == "psd":
+            sums["psd_draft"] += st.t_draft_s
+            sums["psd_verify"] += st.t_verify_s
+            sums["psd_step"] += st.t_step_s
+
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params, on_step=on_step, max_concurrency=concurrency)
+    wall = time.perf_counter() - t0
+    s1 = _snapshot(engine)
+    tokens = sum(len(c.output_ids) for c in out)
+    drafted = s1["drafted"] - s0["drafted"]
+    calls = s1["calls"] - s0["calls"]
+    return {
+        "tokens_per_s": tokens / wall,
+        "mean_latency_s": statistics.fmean(c.latency_s for c in out),
+        "p99_latency_s": sorted(c.latency_s for c in out)[int(0.99 * (len(out) - 1))],
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "acceptance_rate": (s1["accepted"] - s0["accepted"]) / drafted if drafted else 0.0,
+        "tokens_per_target_call": (s1["dtok"] - s0["dtok"]) / calls if calls else 0.0,
+        "steps": sums["steps"],
+        "mean_t_draft_s": sums["draft"] / max(sums["steps"], 1),
+        "mean_t_verify_s": sums["verify"] / max(sums["steps"], 1),
+        "overlap_efficiency": ((sums["psd_draft"] + sums["psd_verify"]) / sums["psd_step"]
+                               if sums["psd_step"] else None),
+        "psd_fallback_steps": s1["fallback"] - s0["fallback"],
+        "psd_unbalanced_steps": s1["unbalanced"] - s0["unbalanced"],
+    }
+
+
+def _snapshot(engine) -> dict:
+    s = engine.stats()
+    return {"drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "calls": s.target_calls,
+            "dtok": s.decode_tokens, "fallback": s.psd_fallback_steps,
+            "unbalanced": s.psd_unbalanced_steps}
+
+
+def run_compare_cli(args) -> int:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engines = build_engines(args, names)
+    try:
+        base = next(iter(engines.values()))[0]
+        one, _ = _placements()
+        print("calibrating the cost model ...", file=sys.stderr)
+        profile = calibrate(base, args.drafter, args.gamma,
+                            sorted({1, 2} | set(levels) | {max(1, c // 2) for c in levels}), one)
+        results: dict = {n: {} for n in names}
+        for level in levels:
+            n_req = max(8, int(args.requests_per_level * level))
+            prompts = load_prompts(args.prompts, n_req)
+            for rep in range(args.repeats):
+                order = names[rep % len(names):] + names[:rep % len(names)]
+                for name in order:
+                    engine, placement = engines[name]
+                    print(f"  concurrency {level:>3}  {name:<8} ({n_req} requests) ...", file=sys.stderr)
+                    r = run_level(engine, placement, prompts, concurrency=level,
+                                  max_tokens=args.max_tokens, temperature=args.temperature)
+                    results[name].setdefault(level, []).append(r)
+        table = summarise(results, profile, args.gamma, levels)
+    finally:
+        for engine, _ in engines.values():
+            engine.close()
+    report = {"gamma": args.gamma, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "target": args.target, "drafter": args.drafter, "cores": sorted(os.sched_getaffinity(0)),
+              "torch": torch.__version__, "profile": profile.to_dict(), "rows": table}
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(format_table(table))
+    plot = args.plot or str(Path(args.json).with_suffix(".png"))
+    draw(table, plot)
+    print(f"wrote {args.json} and {plot}", file=sys.stderr)
+    return 0
+
+
+def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]) -> list[dict]:
+    rows = []
+    for level in levels:
+        # alpha for the prediction: what SD measured at this level (PSD's is the same pair).
+        alphas = [r["acceptance_rate"] for n in ("sd", "psd") for r in results.get(n, {}).get(level, [])]
+        alpha = statistics.fmean(alphas) if alphas else 0.0
+        for name, per_level in results.items():
+            runs = per_level.get(level, [])
+            if not runs:
+                continue
+            mode = {"ar-1dev": "ar", "ar-2dev": "ar"}.get(name, name)
+            row = {"config": name, "concurrency": level}
+            for key in runs[0]:
+                vals = [r[key] for r in runs if r[key] is not None]
+                row[key] = statistics.median(vals) if vals else None
+            if name != "ar-2dev":   # the profile was measured on the target's one device
+                row["predicted_tokens_per_s"] = predict(mode, level, gamma, alpha, profile).tokens_per_s
+            rows.append(row)
+        by = {r["config"]: r for r in rows if r["concurrency"] == level}
+        if "psd" in by and "sd" in by:
+            by["psd"]["psd_over_sd"] = by["psd"]["tokens_per_s"] / by["sd"]["tokens_per_s"]
+            by["psd"]["psd_bound_over_sd"] = psd_speedup_bound(level, gamma, profile) if level >= 2 else 1.0
+        for ar in ("ar-1dev", "ar-2dev"):
+            if "psd" in by and ar in by:
+                by["psd"][f"psd_over_{ar}"] = by["psd"]["tokens_per_s"] / by[ar]["tokens_per_s"]
+            if "sd" in by and ar in by:
+                by["sd"][f"sd_over_{ar}"] = by["sd"]["tokens_per_s"] / by[ar]["tokens_per_s"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'conc':>4} {'config':<8} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
+            f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'psd/ar1':>7} {'psd/ar2':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(key, fmt):
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        lines.append(f"{r['concurrency']:>4} {r['config']:<8} {f('tokens_per_s', '8.1f')} "
+                     f"{f('predicted_tokens_per_s', '8.1f')} {f('mean_latency_s', '7.3f')} "
+                     f"{f('acceptance_rate', '6.2f')} {f('tokens_per_target_call', '8.2f')} "
+                     f"{f('overlap_efficiency', '7.2f')} {f('psd_over_sd', '7.2f')} "
+                     f"{f('psd_over_ar-1dev', '7.2f')} {f('psd_over_ar-2dev', '7.2f')}")
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no plot", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        xs = [r["concurrency"] for r in rs]
+        line, = ax1.plot(xs, [r["tokens_per_s"] for r in rs], marker="o", label=f"{name} measured")
+        if any(r.get("predicted_tokens_per_s") for r in rs):
+            ax1.plot(xs, [r.get("predicted_tokens_per_s") for r in rs], ls="--", color=line.get_color(),
+                     label=f"{name} predicted")
+        ax2.plot(xs, [r["mean_latency_s"] for r in rs], marker="o", label=name)
+    for ax, title, ylabel in ((ax1, "throughput", "tokens/s"), (ax2, "mean request latency", "s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

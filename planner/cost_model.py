@@ -1,0 +1,116 @@
+"""Predicting AR, SD and PSD throughput from measured forward costs and acceptance.
+
+Inputs are measurements, never engine internals: T_verify(b, n) is the time of one target forward
+over b sequences feeding n tokens each, T_draft(b) the time of one drafter forward over b
+sequences (one token each; a proposal of gamma tokens costs about gamma of them), and alpha the
+per-position acceptance rate. With those (Leviathan et al. 2023):
+
+    tokens per target call  E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
+    AR   throughput = b / T_verify(b, 1)
+    SD   throughput = b * E / (gamma * T_draft(b) + T_verify(b, gamma + 1))
+    PSD  throughput = (b/2) * E / max(gamma * T_draft(b/2), T_verify(b/2, gamma + 1))
+
+PSD verifies one half of the batch while the drafter, on its own device, drafts the other half,
+so a step costs the slower of the two instead of their sum; each request advances every other
+step, which is why PSD helps throughput at load and cannot help a single request.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+
+def expected_tokens_per_call(alpha: float, gamma: int) -> float:
+    if gamma <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    if alpha >= 1.0 - 1e-12:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostProfile:
+    """Measured forward times, interpolated linearly in batch size (log-spaced samples work well).
+
+    verify[(b, n)]: seconds for one target forward of b sequences x n new tokens each.
+    draft[b]:       seconds for one drafter forward of b sequences x 1 token.
+    """
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def t_verify(self, b: float, n: int) -> float:
+        points = sorted((bb, t) for (bb, nn), t in self.verify.items() if nn == n)
+        if not points:
+            # Fall back to scaling the nearest measured token count: cost ~ linear in tokens.
+            ns = sorted({nn for _, nn in self.verify})
+            if not ns:
+                raise ValueError("the cost profile has no target measurements")
+            near = min(ns, key=lambda nn: abs(nn - n))
+            return self.t_verify(b, near) * (b * n + 8) / (b * near + 8)
+        return _interp(points, b)
+
+    def t_draft(self, b: float) -> float:
+        if not self.draft:
+            raise ValueError("the cost profile has no drafter measurements")
+        return _interp(sorted(self.draft.items()), b)
+
+    def to_dict(self) -> dict:
+        return {"verify": [[b, n, t] for (b, n), t in sorted(self.verify.items())],
+                "draft": [[b, t] for b, t in sorted(self.draft.items())]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        return cls({(int(b), int(n)): float(t) for b, n, t in d.get("verify", [])},
+                   {int(b): float(t) for b, t in d.get("draft", [])})
+
+
+def _interp(points: list[tuple[int, float]], x: float) -> float:
+    xs = [p[0] for p in points]
+    if len(points) == 1:
+        return points[0][1] * max(x, 1) / max(xs[0], 1) if x > xs[0] else points[0][1]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    lo, hi = (0, 1) if i == 0 else (len(xs) - 2, len(xs) - 1) if i >= len(xs) else (i - 1, i)
+    (x0, y0), (x1, y1) = points[lo], points[hi]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, 1e-9)
+
+
+@dataclass
+class Prediction:
+    mode: str
+    batch: int
+    gamma: int
+    tokens_per_s: float
+    step_s: float
+    tokens_per_call: float
+
+
+def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfile) -> Prediction:
+    """Steady-state decode throughput (tokens/s over all requests) for `batch` running requests."""
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    if mode == "ar" or gamma == 0:
+        step = profile.t_verify(batch, 1)
+        return Prediction("ar", batch, 0, batch / step, step, 1.0)
+    e = expected_tokens_per_call(alpha, gamma)
+    if mode == "sd":
+        step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1)
+        return Prediction("sd", batch, gamma, batch * e / step, step, e)
+    if mode == "psd":
+        if batch < 2:   # one sub-batch is empty: PSD falls back to sequential SD
+            return predict("sd", batch, gamma, alpha, profile)
+        half = batch / 2
+        step = max(gamma * profile.t_draft(half), profile.t_verify(math.ceil(half), gamma + 1))
+        return Prediction("psd", batch, gamma, half * e / step, step, e)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def psd_speedup_bound(batch: int, gamma: int, profile: CostProfile) -> float:
+    """(gamma*T_draft + T_verify) / max(gamma*T_draft, T_verify): PSD's ceiling over SD."""
+    d = gamma * profile.t_draft(batch / 2)
+    v = profile.t_verify(math.ceil(batch / 2), gamma + 1)
+    return (d + v) / max(d, v)
