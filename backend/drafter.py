@@ -20,6 +20,14 @@ from .sampler import make_generator, processed_probs
 from .sampling_params import SamplingParams
 
 
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 @dataclass
 class DraftRequest:
     seq_id: str
@@ -46,11 +54,16 @@ class Drafter:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, seed: int = 0):
         self.model = model
         self.kv = kv_cache
-        self.device = kv_cache.device if hasattr(kv_cache, "device") else torch.device("cpu")
+        self.device = kv_cache.device
+        self._kv_blocks = kv_cache.num_blocks
+        self._block_size = kv_cache.block_size
+        self._kv_dtype = kv_cache.dtype
         self._seqs: dict[str, _SeqState] = {}
         self._seed_source = make_generator(seed)
+        self._host_weights: dict[str, torch.Tensor] | None = None
         self.last_propose_s = 0.0
-        self.num_catchup_tokens = 0   # tokens re-fed to rebuild the drafter's KV (switching cost)
+        self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
+        self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
 
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
@@ -66,7 +79,62 @@ class Drafter:
 
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
-        self.kv.free(seq_id)
+        if self.kv is not None:
+            self.kv.free(seq_id)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage() if self.kv is not None else 0.0
+
+    # -- elastic memory ----------------------------------------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host_weights is not None
+
+    def device_bytes(self) -> int:
+        """Bytes this drafter holds on its device: weights plus KV pool."""
+        if self.offloaded:
+            return 0
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return weights + self._kv_bytes()
+
+    def _kv_bytes(self) -> int:
+        return self._kv_blocks * PagedKVCache.bytes_per_block(self.model.config, self._block_size,
+                                                              self._kv_dtype)
+
+    def offload(self) -> int:
+        """Weights to host memory (pinned on CUDA), KV pool released; returns the bytes freed on
+        the device. Sequences are remembered; their K/V is rebuilt by catch-up after reload."""
+        if self.offloaded:
+            return 0
+        freed = self.device_bytes()
+        pin = self.device.type == "cuda"
+        self._host_weights = {}
+        for name, p in self.model.named_parameters():
+            host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+            host.copy_(p.data)
+            self._host_weights[name] = host
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        for st in self._seqs.values():
+            st.kv_len, st.spec_tail = 0, []
+        self.kv = None
+        return freed
+
+    def reload(self) -> None:
+        """Weights back onto the device, a fresh KV pool. On CUDA the copy runs on a side stream
+        so that the target's work on the default stream goes on meanwhile."""
+        if not self.offloaded:
+            return
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for name, p in self.model.named_parameters():
+                p.data = self._host_weights[name].to(self.device, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+        self._host_weights = None
+        self.kv = PagedKVCache.for_model(self.model.config, self._kv_bytes(),
+                                         block_size=self._block_size, dtype=self._kv_dtype,
+                                         device=self.device)
 
     def num_sequences(self) -> int:
         return len(self._seqs)
@@ -86,7 +154,8 @@ class Drafter:
         # feed the previous draft. A sequence drops out once it has its gamma drafts.
         feed = {i: self._seqs[requests[i].seq_id].tokens[self._seqs[requests[i].seq_id].kv_len:]
                 for i in active}
-        self.num_catchup_tokens += sum(max(0, len(f) - 1) for f in feed.values())
+        catchup = sum(max(0, len(f) - 1) for f in feed.values())
+        self.num_catchup_tokens += catchup
         step = 0
         while active:
             seq_ids = [requests[i].seq_id for i in active]
@@ -113,11 +182,15 @@ class Drafter:
                     feed[i] = [tokens[row]]
                     still.append(i)
             active = still
+            if step == 0:
+                self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
             step += 1
         self.last_propose_s = time.perf_counter() - t0
         return proposals
 
     def _sync(self, req: DraftRequest) -> _SeqState:
+        if self.offloaded:
+            raise RuntimeError("the drafter is offloaded; reload it before proposing")
         """Append newly committed tokens; keep only the cached drafts that were accepted."""
         st = self._seqs.get(req.seq_id)
         if st is None:

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -44,6 +45,9 @@ class DrafterManager:
         self._replacement: RemoteDrafter | None = None
         self._restarting = False
         self._lock = threading.Lock()
+        self.offloaded = False
+        self._reload = None                 # a future while weights travel back
+        self.last_reload_s = 0.0
         self.drafter: Drafter | RemoteDrafter | None = self._build()
 
     # -- construction ----------------------------------------------------------------------------
@@ -76,20 +80,82 @@ class DrafterManager:
 
     @property
     def available(self) -> bool:
-        return self.drafter is not None
+        """Ready to propose: alive, weights on its device."""
+        return self.drafter is not None and not self.offloaded
 
     @property
     def state(self) -> str:
-        if self.drafter is not None:
-            return "on_device"
-        return "restarting" if self._restarting else "failed"
+        if self.drafter is None:
+            return "restarting" if self._restarting else "failed"
+        if self._reload is not None:
+            return "reloading"
+        return "offloaded" if self.offloaded else "on_device"
+
+    @property
+    def colocated(self) -> bool:
+        """Does the drafter share the target's memory? Then offloading it can grow the target's
+        KV pool. In-process it does; a worker on another GPU does not; a CPU worker has cores of
+        its own but shares the host's RAM (one budget) with the target."""
+        dd, td = self.config.drafter_device, self.config.device
+        if dd is None or dd == td:
+            return True
+        return dd.startswith("cpu") and td.startswith("cpu")
+
+    # -- elastic memory --------------------------------------------------------------------------
+
+    def offload(self) -> int:
+        """Drafter weights to host memory and its KV pool released; bytes freed on its device."""
+        if self.drafter is None or self.offloaded:
+            return 0
+        try:
+            freed = self.drafter.offload()
+        except DrafterFailed as e:
+            self._failed(e)
+            return 0
+        self.offloaded = True
+        return freed
+
+    def start_reload(self) -> None:
+        """Bring the weights back without blocking decoding; `poll_reload` says when."""
+        if self.drafter is None or not self.offloaded or self._reload is not None:
+            return
+        try:
+            if isinstance(self.drafter, RemoteDrafter):
+                self._reload = self.drafter.reload_async()
+            else:
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightdraft-reload")
+                t0 = time.perf_counter()
+                self._reload = pool.submit(lambda: (self.drafter.reload(), time.perf_counter() - t0)[1])
+                pool.shutdown(wait=False)
+        except DrafterFailed as e:
+            self._failed(e)
+
+    def poll_reload(self) -> float | None:
+        """Seconds the reload took, once it has just finished; None otherwise."""
+        if self._reload is None or not self._reload.done():
+            return None
+        try:
+            seconds = self._reload.result()
+        except Exception as e:  # noqa: BLE001 - a failed reload is a failed drafter
+            self._reload = None
+            self._failed(e)
+            return None
+        self._reload = None
+        self.offloaded = False
+        self.last_reload_s = seconds
+        return seconds
 
     @property
     def kv_usage(self) -> float:
         d = self.drafter
         if d is None:
             return 0.0
-        return d.kv_usage if isinstance(d, RemoteDrafter) else d.kv.usage()
+        return d.kv_usage if isinstance(d, RemoteDrafter) else d.kv_usage()
+
+    @property
+    def last_catchup_s(self) -> float:
+        d = self.drafter
+        return getattr(d, "last_catchup_s", 0.0) if d is not None else 0.0
 
     @property
     def last_propose_s(self) -> float:
@@ -116,7 +182,7 @@ class DrafterManager:
         return self.collect(pending)
 
     def propose_async(self, requests: list[DraftRequest]):
-        if self.drafter is None or not requests:
+        if not self.available or not requests:
             return None
         try:
             if isinstance(self.drafter, RemoteDrafter):
@@ -149,6 +215,7 @@ class DrafterManager:
         self._failed_at = time.monotonic()
         log.error("drafter failed (%s); decoding without speculation until a new worker is up", error)
         dead, self.drafter = self.drafter, None
+        self.offloaded, self._reload = False, None
         if isinstance(dead, RemoteDrafter):
             try:
                 dead.close(timeout_s=1.0)

@@ -107,12 +107,19 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
                 replies.append((p.tokens, offset))
                 offset += rows
             conn.send(("proposals", call_id, replies, time.perf_counter() - t0,
-                       drafter.kv.usage(), drafter.num_sequences(), drafter.num_catchup_tokens))
+                       drafter.kv_usage(), drafter.num_sequences(), drafter.num_catchup_tokens,
+                       drafter.last_catchup_s))
         elif kind == "free":
             for seq_id in msg[1]:
                 drafter.free(seq_id)
+        elif kind == "offload":
+            conn.send(("offloaded", drafter.offload()))
+        elif kind == "reload":
+            t0 = time.perf_counter()
+            drafter.reload()
+            conn.send(("reloaded", time.perf_counter() - t0))
         elif kind == "ping":
-            conn.send(("pong", drafter.kv.usage(), drafter.num_sequences()))
+            conn.send(("pong", drafter.kv_usage(), drafter.num_sequences()))
         elif kind == "shutdown":
             conn.send(("bye",))
             return
@@ -129,11 +136,34 @@ class DraftFuture:
         return self._result
 
 
+class ReloadFuture:
+    """Weights travelling back to the worker's device; `done()` never blocks."""
+
+    def __init__(self, owner: "RemoteDrafter"):
+        self._owner = owner
+        self.seconds: float | None = None
+
+    def done(self) -> bool:
+        if self.seconds is None and (self._owner._conn.poll(0) or not self._owner.alive):
+            self.seconds = self.result()
+        return self.seconds is not None
+
+    def result(self) -> float:
+        if self.seconds is None:
+            try:
+                reply = self._owner._recv(self._owner.reload_timeout_s)
+            finally:
+                self._owner._in_flight = None
+            self.seconds = reply[1]
+        return self.seconds
+
+
 class RemoteDrafter:
     def __init__(self, spec: WorkerSpec, *, vocab_size: int, max_rows: int, timeout_s: float = 10.0,
                  start_timeout_s: float = 120.0):
         self.spec = spec
         self.timeout_s = timeout_s
+        self.reload_timeout_s = max(timeout_s, 60.0)
         self._ctx = mp.get_context("spawn")
         self._probs = None
         if spec.device.startswith("cpu"):
@@ -151,6 +181,7 @@ class RemoteDrafter:
         self.kv_usage = 0.0
         self.last_propose_s = 0.0
         self.num_catchup_tokens = 0
+        self.last_catchup_s = 0.0
         self.pid = None
         reply = self._recv(start_timeout_s)
         if reply[0] != "ready":
@@ -170,6 +201,22 @@ class RemoteDrafter:
         self._send(("propose", self._call_id, requests))
         self._in_flight = self._call_id
         return DraftFuture(self, self._call_id)
+
+    def offload(self) -> int:
+        """Weights to host memory, KV pool released, in the worker; returns bytes freed there."""
+        if self._in_flight is not None:
+            raise RuntimeError("collect the proposal in flight before offloading")
+        self._flush_frees()
+        self._send(("offload",))
+        return self._recv(self.timeout_s)[1]
+
+    def reload_async(self) -> ReloadFuture:
+        if self._in_flight is not None:
+            raise RuntimeError("collect the proposal in flight before reloading")
+        self._flush_frees()
+        self._send(("reload",))
+        self._in_flight = -1
+        return ReloadFuture(self)
 
     def free(self, seq_id: str) -> None:
         self._pending_frees.append(seq_id)
@@ -244,10 +291,10 @@ class RemoteDrafter:
             reply = self._recv(self.timeout_s)
         finally:
             self._in_flight = None
-        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup = reply
+        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup, catchup_s = reply
         assert got_id == call_id, "drafter replies out of order"
         self.last_propose_s, self.kv_usage, self._num_sequences = elapsed, kv_usage, num_seqs
-        self.num_catchup_tokens = catchup
+        self.num_catchup_tokens, self.last_catchup_s = catchup, catchup_s
         self._flush_frees()
         out = []
         for tokens, where in replies:

@@ -18,7 +18,11 @@ from .drafter import DraftRequest, Proposal
 from .drafter_manager import DrafterManager
 from .engine_config import ConfigError, EngineConfig
 from .kv_cache import PagedKVCache
+from planner.planner import Decision, Planner
+from planner.signals import EngineSignals, TritonMetricsSignals
+
 from .loader import load_model
+from .memory import ElasticMemory
 from .model_config import ModelConfig
 from .outputs import EngineStats, RequestOutput, StepStats
 from .request import Sequence, Status
@@ -70,9 +74,14 @@ class Engine:
         if config.drafter is not None:
             self.drafter = self._load_drafter(config)
 
-        self.mode = config.mode
+        self.mode = config.mode                 # as configured: ar | sd | psd | auto
+        self.active_mode = "sd" if config.mode == "auto" else config.mode   # what steps run now
         self.gamma = config.gamma if config.mode != "ar" else 0
         self.sub_batches = SubBatches()
+        self.memory: ElasticMemory | None = None
+        self.planner = None
+        if config.mode == "auto":
+            self._init_planner(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: set[str] = set()          # ids accepted and not yet finished
@@ -91,10 +100,27 @@ class Engine:
         return DrafterManager(config, vocab_size=dcfg.vocab_size, kv_cache_bytes=budget,
                               max_rows=config.max_num_seqs * config.gamma_max, dtype=self.dtype)
 
+    def _init_planner(self, config: EngineConfig) -> None:
+
+        self.planner = Planner(gamma_max=config.gamma_max, psd_available=self.drafter.remote,
+                               seed=config.seed, **(config.planner or {}))
+        self._engine_signals = EngineSignals()
+        self._triton_signals = TritonMetricsSignals(config.metrics_url) if config.metrics_url else None
+        if config.offload:
+            mc = self.target.config
+            weights = sum(p.numel() * p.element_size() for p in self.target.parameters())
+            self.memory = ElasticMemory(self.kv, self.drafter, self.scheduler,
+                                        PagedKVCache.bytes_per_block(mc, config.block_size, self.dtype),
+                                        weights)
+        self._decision = None
+        self._spec_off_since_step: int | None = None   # when the drafter last stopped drafting
+
     def close(self) -> None:
-        """Stop the drafter worker, if any. The engine is unusable afterwards."""
+        """Stop the drafter worker and the metrics scraper, if any. The engine is unusable afterwards."""
         if self.drafter is not None:
             self.drafter.close()
+        if self.planner is not None and self._triton_signals is not None:
+            self._triton_signals.close()
 
     # ---- the public, thread-safe side ------------------------------------------------------
 
@@ -137,7 +163,8 @@ class Engine:
             return bool(self._live)
 
     def set_gamma(self, gamma: int) -> None:
-        """Speculation length for the coming steps (0 = plain decoding); the planner's knob."""
+        """Speculation length for the coming steps (0 = plain decoding). With mode "auto" the
+        planner sets it every step, overriding this."""
         if not 0 <= gamma <= self.config.gamma_max:
             raise ValueError(f"gamma must be in [0, {self.config.gamma_max}]")
         self.gamma = gamma if self.drafter is not None else 0
@@ -149,7 +176,7 @@ class Engine:
         s.kv_total_blocks = self.kv.num_blocks
         s.kv_free_blocks = self.kv.num_free_blocks
         s.kv_usage = self.kv.usage()
-        s.mode = self.mode
+        s.mode = self.active_mode if self.gamma else "ar"
         s.gamma = self.gamma
         s.preemptions = self.scheduler.num_preemptions
         d = self.drafter
@@ -158,6 +185,10 @@ class Engine:
         s.drafter_failures = d.failures if d else 0
         s.drafter_restarts = d.restarts if d else 0
         s.drafter_catchup_tokens = d.catchup_tokens if d else 0
+        if self.memory is not None:
+            s.offloads, s.reloads = self.memory.offloads, self.memory.reloads
+        if self.planner is not None:
+            s.planner_switches = self.planner.stats().get("switches", 0)
         c = self.sub_batches.counters
         s.psd_steps, s.psd_fallback_steps = c.steps, c.fallback_steps
         s.psd_unbalanced_steps, s.psd_overlapped_steps = c.unbalanced_steps, c.overlapped_steps
@@ -174,6 +205,9 @@ class Engine:
                 seq.drafter_synced = 0
         if not self.scheduler.has_work():
             return outputs
+        reload_s = self.memory.poll() if self.memory is not None else None
+        if self.planner is not None:
+            self._plan()
 
         psd = self._psd_active()
         to_draft: set[str] = set()
@@ -202,10 +236,55 @@ class Engine:
         step.t_step_s = time.perf_counter() - t0
         self._stats.steps += 1
         self._stats.last_step = step
+        if self.planner is not None:
+            self._observe(step, reload_s)
         return outputs
 
+    # ---- the planner's loop: decide before the step, report after ---------------------------
+
+    def _plan(self) -> None:
+        now = time.perf_counter()
+        lag = sum(len(s) - s.drafter_synced for s in self.scheduler.running)
+        signals = self._engine_signals.snapshot(batch_size=len(self.scheduler.running),
+                                                waiting=len(self.scheduler.waiting),
+                                                kv_usage=self.kv.usage(), now=now,
+                                                drafter_lag_tokens=lag,
+                                                drafter_offloaded=self.drafter.offloaded)
+        if self._triton_signals is not None:
+            signals = self._triton_signals.merge(signals)
+        decision = self.planner.decide(signals)
+        self._decision = decision
+        if decision.gamma > 0:
+            if self.drafter.offloaded and self.memory is not None:
+                self.memory.start_reload()          # decode plainly until the weights are back
+            ready = self.drafter.available
+            self.gamma = decision.gamma if ready else 0
+            self.active_mode = decision.mode if ready else "ar"
+        else:
+            self.gamma = 0
+            self.active_mode = "ar"
+            if (self.memory is not None and self.drafter.available
+                    and self.planner.wants_offload(signals)):
+                self.memory.offload()
+        if self.active_mode != "psd" and any(self.sub_batches.members):
+            self.sub_batches.clear()
+
+    def _observe(self, step: StepStats, reload_s: float | None) -> None:
+        rebuild_s = 0.0
+        if step.drafted:
+            if self._spec_off_since_step is not None:   # first drafts after a pause: catch-up
+                rebuild_s = self.drafter.last_catchup_s
+            self._spec_off_since_step = None
+        elif self._spec_off_since_step is None:
+            self._spec_off_since_step = self._stats.steps
+        # Score what actually ran (the drafter may still have been on its way back).
+        ran = Decision(step.mode, self.gamma) if step.drafted else Decision("ar", 0)
+        self.planner.observe(ran, step_wall_s=step.t_step_s,
+                             tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
+                             drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size)
+
     def _psd_active(self) -> bool:
-        return (self.mode == "psd" and self.gamma > 0 and self.drafter is not None
+        return (self.active_mode == "psd" and self.gamma > 0 and self.drafter is not None
                 and self.drafter.available)
 
     def _gamma_for(self, seq: Sequence) -> int:
@@ -430,6 +509,8 @@ class Engine:
             if kind == "add":
                 self._seqs[item.request_id] = item
                 self._stats.prompt_tokens += item.num_prompt_tokens
+                if self.planner is not None:
+                    self._engine_signals.record_arrivals(1, time.perf_counter())
                 self.scheduler.add(item)
             else:
                 seq = self._seqs.get(item)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ar", "sd", "psd", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -25,7 +25,7 @@ class EngineConfig:
     drafter_device: str | None = None
     drafter_timeout_s: float = 10.0             # a worker silent this long is declared hung
     drafter_restart_s: float = 2.0              # wait this long after a failure before restarting
-    dtype: str = "float32"
+    dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_bytes: int = 64 << 20
     drafter_kv_cache_bytes: int | None = None   # default: sized to hold as many tokens as the target's
     block_size: int = 16
@@ -35,12 +35,19 @@ class EngineConfig:
     mode: str | None = None                     # default: "sd" with a drafter, else "ar"
     gamma: int = 4
     gamma_max: int = 8
+    # mode "auto": the adaptive planner picks mode and gamma every step.
+    offload: bool = True                        # ... and may move the drafter off the device
+    metrics_url: str | None = None              # Triton metrics endpoint as an extra load signal
+    planner: dict | None = None                 # Planner settings (planner/planner.py), e.g.
+                                                # {"offload_after_steps": 50, "kv_pressure": 0.9}
     seed: int = 0
     num_threads: int | None = None              # torch intra-op threads for this process
 
     def __post_init__(self) -> None:
         if self.mode is None:
             self.mode = "sd" if self.drafter else "ar"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
         self.validate()
 
     def validate(self) -> None:
@@ -57,7 +64,6 @@ class EngineConfig:
         need(self.mode != "psd" or self.drafter_device is not None,
              "mode 'psd' needs the drafter on its own device: set drafter_device "
              "(e.g. \"cpu\" for a worker pinned to its own core, or \"cuda:1\")")
-        need(self.mode != "auto", "mode 'auto' needs the adaptive planner, which this build does not have yet")
         if self.drafter_device is not None:
             need(isinstance(self.drafter_device, str) and (
                 self.drafter_device == "cpu" or self.drafter_device.startswith(("cpu:", "cuda"))),
@@ -66,6 +72,18 @@ class EngineConfig:
              "drafter_timeout_s: must be > 0")
         need(isinstance(self.drafter_restart_s, (int, float)) and self.drafter_restart_s >= 0,
              "drafter_restart_s: must be >= 0")
+        need(isinstance(self.offload, bool), "offload: must be true or false")
+        if self.planner is not None:
+            need(isinstance(self.planner, dict), "planner: must be an object of planner settings")
+            import inspect
+            from planner.planner import Planner
+            allowed = set(inspect.signature(Planner.__init__).parameters) - {
+                "self", "gamma_max", "psd_available", "seed"}
+            unknown = sorted(set(self.planner) - allowed)
+            need(not unknown, f"planner: unknown setting(s) {unknown}; known: {sorted(allowed)}")
+        need(self.metrics_url is None or (isinstance(self.metrics_url, str)
+                                          and self.metrics_url.startswith(("http://", "https://"))),
+             "metrics_url: must be an http(s) URL")
         need(self.dtype in DTYPES, f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         need(_is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0, "kv_cache_bytes: must be a positive integer")
         need(self.drafter_kv_cache_bytes is None or (_is_int(self.drafter_kv_cache_bytes) and self.drafter_kv_cache_bytes > 0),

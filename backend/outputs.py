@@ -58,6 +58,9 @@ class EngineStats:
     drafter_failures: int = 0
     drafter_restarts: int = 0
     drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
+    offloads: int = 0                      # drafter weights moved to host (elastic memory)
+    reloads: int = 0
+    planner_switches: int = 0
     psd_steps: int = 0
     psd_fallback_steps: int = 0            # verified sub-batch had no proposals: drafted in line
     psd_unbalanced_steps: int = 0          # one sub-batch empty while the other held >= 2

@@ -110,6 +110,15 @@ class Scheduler:
             budget -= num_new
         return scheduled
 
+    def preempt_until(self, max_used_blocks: int) -> int:
+        """Preempt the most recently admitted sequences until at most `max_used_blocks` blocks are
+        in use (the KV pool is about to shrink); returns how many were preempted."""
+        n = 0
+        while self.kv.num_used_blocks > max_used_blocks and self.running:
+            self._preempt(self.running[-1])
+            n += 1
+        return n
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.request_id)

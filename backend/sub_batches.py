@@ -34,6 +34,12 @@ class SubBatches:
     counters: PsdCounters = field(default_factory=PsdCounters)
     _pending: dict[str, _Pending] = field(default_factory=dict)
 
+    def clear(self) -> None:
+        """Leaving batch-parallel mode: forget members and proposals, keep the counters."""
+        self.members[0].clear()
+        self.members[1].clear()
+        self._pending.clear()
+
     def side_of(self, seq_id: str) -> int | None:
         for side in (0, 1):
             if seq_id in self.members[side]:

@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint directory")
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter checkpoint directory")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="target KV cache budget (MiB)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
@@ -26,7 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_offline_parser(bench_sub) -> None:
     p = bench_sub.add_parser("offline", help="run the engine in-process on held-out prompts")
     add_engine_args(p)
-    p.add_argument("--mode", default="sd", choices=["ar", "sd"])
+    p.add_argument("--mode", default="sd", choices=["ar", "sd", "psd", "auto"])
+    p.add_argument("--drafter-device", default=None,
+                   help="run the drafter in a worker on its own device: cpu, cpu:CORES or cuda:N "
+                        "(psd needs one; default for psd: cpu)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--prompts", default=None, help="file with one JSON string per line")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -41,8 +45,12 @@ def add_offline_parser(bench_sub) -> None:
 def build_engine(args, mode: str, gamma: int):
     from backend.engine import Engine
     from backend.engine_config import EngineConfig
+    drafter_device = getattr(args, "drafter_device", None)
+    if mode == "psd" and drafter_device is None:
+        drafter_device = "cpu" if args.device == "cpu" else None
     return Engine(EngineConfig(
         target=args.target, drafter=args.drafter if mode != "ar" else None, device=args.device,
+        drafter_device=drafter_device if mode != "ar" else None,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20, mode=mode,
         gamma=gamma if mode != "ar" else 0, gamma_max=max(8, gamma), seed=args.seed,
         num_threads=args.threads, max_num_seqs=max(64, args.concurrency)))
@@ -59,6 +67,8 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
     bar = _progress(len(prompts), progress)
     step_times: list[float] = []
     t_draft = t_verify = 0.0
+    psd = {"draft": 0.0, "verify": 0.0, "step": 0.0}
+    modes: dict[str, int] = {}
 
     def on_step(outs):
         nonlocal t_draft, t_verify
@@ -66,6 +76,11 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
         step_times.append(s.t_step_s)
         t_draft += s.t_draft_s
         t_verify += s.t_verify_s
+        modes[s.mode] = modes.get(s.mode, 0) + 1
+        if s.mode == "psd":
+            psd["draft"] += s.t_draft_s
+            psd["verify"] += s.t_verify_s
+            psd["step"] += s.t_step_s
         done = sum(o.finished for o in outs)
         if bar and done:
             bar.update(done)
@@ -81,7 +96,7 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
     calls = after.target_calls - calls0
     out_tokens = sum(len(c.output_ids) for c in completions)
     return {
-        "mode": engine.mode if engine.gamma else "ar",
+        "mode": engine.mode,
         "gamma": engine.gamma,
         "requests": len(prompts),
         "concurrency": concurrency,
@@ -98,6 +113,11 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
         "mean_step_s": statistics.fmean(step_times) if step_times else 0.0,
         "draft_s": t_draft,
         "verify_s": t_verify,
+        "mean_t_draft_s": t_draft / max(len(step_times), 1),
+        "mean_t_verify_s": t_verify / max(len(step_times), 1),
+        # (T_draft + T_verify) / T_step over batch-parallel steps: 1 = no overlap, 2 = perfect.
+        "overlap_efficiency": (psd["draft"] + psd["verify"]) / psd["step"] if psd["step"] else None,
+        "steps_by_mode": modes,
         "preemptions": after.preemptions - before.preemptions,
         "outputs": [c.output_ids for c in completions],
     }
@@ -109,6 +129,7 @@ def run_offline_cli(args) -> int:
     engine = build_engine(args, args.mode, args.gamma)
     result = run_offline(engine, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency,
                          temperature=args.temperature, seed=args.seed)
+    engine.close()
     result.update(target=args.target, drafter=args.drafter if args.mode != "ar" else None)
     print(summary_line(result))
     if args.json:
@@ -121,7 +142,8 @@ def summary_line(r: dict) -> str:
     return (f"{r['mode']:>3} gamma={r['gamma']} conc={r['concurrency']:>3}: "
             f"{r['output_tokens']} tokens in {r['wall_s']:.2f}s = {r['tokens_per_s']:.1f} tok/s, "
             f"acceptance {r['acceptance_rate']:.3f}, tokens/target call "
-            f"{r['mean_tokens_per_target_call']:.2f}, steps {r['steps']}")
+            f"{r['mean_tokens_per_target_call']:.2f}, steps {r['steps']}"
+            + (f", overlap {r['overlap_efficiency']:.2f}" if r.get("overlap_efficiency") else ""))
 
 
 def _progress(total: int, enabled: bool):

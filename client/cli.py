@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_compare, bench_offline
+from . import bench_compare, bench_dynamic, bench_offline
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_offline.add_offline_parser(bench_sub)
     bench_compare.add_compare_parser(bench_sub)
+    bench_dynamic.add_dynamic_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,356 @@
+"""A contextual bandit over a fixed set of arms, for a cost (lower loss is better).
+
+Used by the planner with the running batch size (binned) as the context and (mode, gamma) as the
+arms, but it knows nothing about either: arms and contexts are any hashable values, and the loss
+is whatever the caller measures (the planner: per-token latency of one engine step).
+
+The rule, per context bin (every statistic below is kept separately for each bin):
+
+* **Optimism for a cost.** Each arm's index is a lower confidence bound,
+  ``mean - explore * sigma * sqrt(2 ln N / n)``: the discounted mean loss, ``n`` its discounted
+  number of observations (plus ``prior_weight`` pseudo-observations when a ``prior`` is given),
+  ``N`` their sum over arms, ``sigma`` the pooled noise of the bin (floored at a fraction of the
+  best mean, so the rule is scale-free). Untried arms without a prior are tried first.
+* **Prior warm start.** ``prior(context, arm)`` (e.g. the cost model's predicted per-token
+  latency) enters each arm's mean as ``prior_weight`` pseudo-observations, after calibrating its
+  scale to what was measured in that bin (the geometric mean ratio observed/predicted over the
+  arms tried), so only the prior's *ordering* has to be right.
+* **Blocks.** A chosen arm is held for a block of steps in that bin. Block length is
+  ``(block_growth - 1) * n`` clipped to ``[initial_block, max_block]``: every time an arm wins
+  again its block multiplies its sample count by ``block_growth`` (UCB2-style exponential
+  epochs). Fresh or long-unplayed arms get short probes (explore early), a well-measured winner
+  gets long blocks (settle later). A block paused by a context change resumes when the bin comes
+  back, if the engine still runs that arm.
+* **Switching cost.** ``switch_cost(from, to)`` (in loss units: the extra *summed* loss the
+  switch costs) is added to a challenger's index, amortised over the steps the bandit expects to
+  stay in the bin (an average of past visit lengths, capped at ``switch_horizon``; a visit ends
+  when the bin is left for more than ``visit_gap`` steps, so a batch size flapping across a bin
+  edge does not cut it short): a switch pays off only if the challenger's advantage over the stay
+  outweighs it. ``hysteresis`` (a fraction of the running arm's mean loss) must be beaten by any
+  challenger, so near-equal arms do not alternate when the context flaps between two bins, and
+  ``min_hold`` enforces a minimum number of steps between any two switches.
+* **Non-stationarity.** Statistics are discounted by ``discount`` per step of the bin, so an
+  unplayed arm's confidence interval widens again and it is re-probed (a change in an arm the
+  bandit does not play is found that way). A change in the arm it does play is detected directly:
+  when the arm's recent average (an EWMA) leaves its long-run mean by more than
+  ``detect_sigmas`` standard errors and ``detect_rel`` of the mean, the bin's evidence is cut to
+  ``shift_keep`` observations per arm (the changed arm: ``shrink_to`` observations at its recent
+  level), so blocks are short again and the bin re-explores. A bin not seen for ``stale_after``
+  steps is shrunk to ``shrink_to`` observations per arm when it comes back.
+
+``select(context)`` is called once per step and returns the arm to run; ``update(context, arm,
+loss)`` reports the step's loss for the arm actually run. Both are cheap: a decision (a few tens
+of microseconds) is made only when a block ends.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+
+Arm = Hashable
+Context = Hashable
+
+
+class _Bin:
+    """Statistics and block state of one context bin."""
+
+    __slots__ = ("n", "s", "ss", "plays", "chosen", "ewma", "ewma_n", "t", "last_seen",
+                 "block_arm", "block_left", "dwell", "visit_start", "blocks", "shifts")
+
+    def __init__(self, k: int, dwell: float):
+        self.n = np.zeros(k)          # discounted observation counts
+        self.s = np.zeros(k)          # discounted sums of losses
+        self.ss = np.zeros(k)         # discounted sums of squared losses
+        self.plays = np.zeros(k, dtype=np.int64)   # steps each arm ran here (not discounted)
+        self.chosen = np.zeros(k, dtype=np.int64)  # blocks started per arm
+        self.ewma = np.zeros(k)       # recent loss level per arm (change detection)
+        self.ewma_n = np.zeros(k, dtype=np.int64)
+        self.t = 0                    # steps observed in this bin
+        self.last_seen = 0            # global step of the last visit
+        self.block_arm: int | None = None
+        self.block_left = 0
+        self.dwell = dwell            # average length of a visit (steps from arrival to leaving)
+        self.visit_start = 0          # global step the current visit began
+        self.blocks = 0
+        self.shifts = 0
+
+
+class ContextualBandit:
+    def __init__(self, arms: Sequence[Arm], *,
+                 switch_cost: Callable[[Arm, Arm], float] | None = None,
+                 explore: float = 1.0, seed: int = 0, initial_block: int = 1,
+                 block_growth: float = 2.0,
+                 prior: Callable[[Context, Arm], float] | None = None,
+                 prior_weight: float = 2.0, max_block: int = 256, min_hold: int = 1,
+                 hysteresis: float = 0.0, switch_horizon: int = 256, visit_gap: int = 16,
+                 discount: float = 0.9995,
+                 stale_after: int = 5000, shrink_to: float = 4.0, shift_keep: float = 0.3,
+                 detect_sigmas: float = 5.0, detect_rel: float = 0.15, detect_alpha: float = 0.1,
+                 detect_min_n: float = 20.0, noise_floor: float = 0.02, noise_prior: float = 0.2):
+        if not arms:
+            raise ValueError("the bandit needs at least one arm")
+        if len(set(arms)) != len(arms):
+            raise ValueError("arms must be distinct")
+        if initial_block < 1 or max_block < initial_block:
+            raise ValueError("need 1 <= initial_block <= max_block")
+        if block_growth < 1.0:
+            raise ValueError("block_growth must be >= 1")
+        if not 0.0 < discount <= 1.0:
+            raise ValueError("discount must be in (0, 1]")
+        if explore < 0:
+            raise ValueError("explore must be >= 0")
+        self.arms = list(arms)
+        self._index = {a: i for i, a in enumerate(self.arms)}
+        self.switch_cost = switch_cost
+        self.explore = float(explore)
+        self.initial_block = int(initial_block)
+        self.block_growth = float(block_growth)
+        self.max_block = int(max_block)
+        self.prior = prior
+        self.prior_weight = float(prior_weight) if prior is not None else 0.0
+        self.min_hold = max(int(min_hold), 1)
+        self.switch_horizon = max(int(switch_horizon), 1)
+        self.visit_gap = max(int(visit_gap), 1)
+        self.hysteresis = float(hysteresis)
+        self.discount = float(discount)
+        self.stale_after = int(stale_after)
+        self.shrink_to = float(shrink_to)
+        self.shift_keep = float(shift_keep)
+        self.detect_sigmas = float(detect_sigmas)
+        self.detect_rel = float(detect_rel)
+        self.detect_alpha = float(detect_alpha)
+        self.detect_min_n = float(detect_min_n)
+        self.noise_floor = float(noise_floor)
+        self.noise_prior = float(noise_prior)
+        self._rng = random.Random(seed)
+        self._bins: dict[Context, _Bin] = {}
+        self._last_ctx: Context | None = None
+        self._has_last = False
+        self.current: Arm | None = None   # the arm the last select() returned
+        self.step = 0                     # select() calls
+        self.switches = 0
+        self.shifts = 0                   # detected loss changes
+        self.stale_resets = 0
+        self._last_switch_step = -(10 ** 9)
+        self._plays_total = np.zeros(len(self.arms), dtype=np.int64)
+
+    # ------------------------------------------------------------------ bins
+
+    def _bin(self, context: Context) -> _Bin:
+        b = self._bins.get(context)
+        if b is None:
+            b = self._bins[context] = _Bin(len(self.arms), float(self.switch_horizon))
+        return b
+
+    def _shrink(self, b: _Bin, keep: float) -> None:
+        """Keep the means, cut the evidence to at most `keep` observations per arm."""
+        f = np.where(b.n > keep, keep / np.maximum(b.n, 1e-12), 1.0)
+        b.n *= f
+        b.s *= f
+        b.ss *= f
+        b.block_left = 0
+
+    # ------------------------------------------------------------------ estimates
+
+    def _priors(self, context: Context, b: _Bin) -> np.ndarray | None:
+        if self.prior is None:
+            return None
+        p = np.array([float(self.prior(context, a)) for a in self.arms])
+        p = np.where(np.isfinite(p) & (p > 0), p, np.nan)
+        seen = (b.n > 1e-9) & ~np.isnan(p)
+        if seen.any():   # calibrate the prior's scale to this bin's measurements
+            obs = b.s[seen] / b.n[seen]
+            ok = obs > 0
+            if ok.any():
+                w = b.n[seen][ok]
+                ratio = math.exp(float(np.sum(w * np.log(obs[ok] / p[seen][ok])) / np.sum(w)))
+                p = p * min(max(ratio, 0.1), 10.0)
+        return p
+
+    def _estimates(self, context: Context, b: _Bin):
+        """(means, counts, sigma, known) for every arm of the bin."""
+        p = self._priors(context, b)
+        n, s = b.n, b.s
+        if p is not None:
+            has_p = ~np.isnan(p)
+            w0 = np.where(has_p, self.prior_weight, 0.0)
+            cnt = n + w0
+            tot = s + w0 * np.nan_to_num(p)
+        else:
+            cnt, tot = n, s
+        known = cnt > 0
+        means = np.where(known, tot / np.where(known, cnt, 1.0), np.inf)
+        # pooled noise of the bin, shrunk towards `noise_prior` x best mean while evidence is thin
+        obs = n > 1e-9
+        best = float(np.min(means[known])) if known.any() else 1.0
+        scale = abs(best) if math.isfinite(best) and best != 0 else 1.0
+        if obs.any():
+            resid = float(np.sum(np.maximum(b.ss[obs] - b.s[obs] ** 2 / n[obs], 0.0)))
+            dof = max(float(np.sum(n[obs])) - float(np.count_nonzero(obs)), 0.0)
+        else:
+            resid, dof = 0.0, 0.0
+        k0 = 2.0
+        var = (resid + k0 * (self.noise_prior * scale) ** 2) / (dof + k0)
+        sigma = max(math.sqrt(var), self.noise_floor * scale)
+        return means, cnt, sigma, known
+
+    def _block_len(self, b: _Bin, i: int) -> int:
+        L = math.ceil((self.block_growth - 1.0) * float(b.n[i]))
+        return int(min(max(L, self.initial_block), self.max_block))
+
+    def _decide(self, context: Context, b: _Bin) -> int:
+        means, cnt, sigma, known = self._estimates(context, b)
+        untried = [i for i in range(len(self.arms)) if not known[i]]
+        if untried:
+            return self._rng.choice(untried)
+        total = float(np.sum(cnt))
+        bonus = self.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
+        index = means - bonus
+        cur = self._index.get(self.current) if self.current is not None else None
+        if cur is not None and self.hysteresis > 0 and math.isfinite(means[cur]):
+            index[cur] -= self.hysteresis * abs(means[cur])
+        if self.switch_cost is not None and cur is not None:
+            stay = max(b.dwell, float(self.step - b.visit_start + 1))
+            horizon = max(min(stay, float(self.switch_horizon)), 1.0)
+            for i, a in enumerate(self.arms):
+                if i != cur:
+                    c = float(self.switch_cost(self.current, a))
+                    if c > 0:
+                        index[i] += c / horizon
+        best = float(np.min(index))
+        ties = np.flatnonzero(index <= best + 1e-15 * max(abs(best), 1e-300))
+        if cur is not None and cur in ties:
+            return cur
+        return int(ties[0])
+
+    # ------------------------------------------------------------------ API
+
+    def select(self, context: Context) -> Arm:
+        """The arm to run for this step (part of the block held for this context)."""
+        self.step += 1
+        b = self._bin(context)
+        entering = not self._has_last or context != self._last_ctx
+        if entering:
+            gap = self.step - b.last_seen
+            if b.last_seen == 0 or gap > self.visit_gap:
+                # a new visit (short excursions to a neighbouring bin do not end one)
+                if b.last_seen > 0:
+                    b.dwell = 0.7 * b.dwell + 0.3 * (b.last_seen - b.visit_start + 1)
+                b.visit_start = self.step
+            if b.t > 0 and gap > self.stale_after:
+                self._shrink(b, self.shrink_to)
+                b.dwell = float(self.switch_horizon)
+                self.stale_resets += 1
+            self._last_ctx, self._has_last = context, True
+        b.last_seen = self.step
+        cur = self._index.get(self.current) if self.current is not None else None
+
+        if b.block_left > 0 and b.block_arm is not None and (not entering or b.block_arm == cur):
+            b.block_left -= 1
+            return self._play(b.block_arm)
+
+        i = self._decide(context, b)
+        if i == b.block_arm and b.block_left > 0:      # the paused block wins again: resume it
+            b.block_left -= 1
+            return self._play(i)
+        if cur is not None and i != cur and self.step - self._last_switch_step < self.min_hold:
+            b.block_left = 0                            # too soon to switch again; decide next step
+            return self._play(cur)
+        L = self._block_len(b, i)
+        b.block_arm, b.block_left = i, L - 1
+        b.blocks += 1
+        b.chosen[i] += 1
+        return self._play(i)
+
+    def _play(self, i: int) -> Arm:
+        arm = self.arms[i]
+        if self.current is not None and arm != self.current:
+            self.switches += 1
+            self._last_switch_step = self.step
+        self.current = arm
+        return arm
+
+    def update(self, context: Context, arm: Arm, loss: float) -> None:
+        """Report the loss of one step run with `arm` in `context`."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return
+        i = self._index[arm]
+        b = self._bin(context)
+        if self.discount < 1.0:
+            d = self.discount
+            b.n *= d
+            b.s *= d
+            b.ss *= d
+        b.t += 1
+        b.n[i] += 1.0
+        b.s[i] += loss
+        b.ss[i] += loss * loss
+        b.plays[i] += 1
+        self._plays_total[i] += 1
+        # change detection on the arm that ran
+        a = self.detect_alpha
+        if b.ewma_n[i] == 0:
+            b.ewma[i] = loss
+        else:
+            b.ewma[i] += a * (loss - b.ewma[i])
+        b.ewma_n[i] += 1
+        n = b.n[i]
+        if b.ewma_n[i] >= 2.0 / a and n >= self.detect_min_n:
+            m = b.s[i] / n
+            sd = math.sqrt(max(b.ss[i] / n - m * m, 0.0))
+            thr = max(self.detect_sigmas * sd * math.sqrt(a / (2.0 - a)), self.detect_rel * abs(m))
+            if abs(b.ewma[i] - m) > thr:
+                self._on_shift(b, i)
+
+    def _on_shift(self, b: _Bin, i: int) -> None:
+        level = float(b.ewma[i])
+        self._shrink(b, self.shift_keep)
+        # the changed arm: its old mean is wrong; believe the recent level, weakly
+        k = self.shrink_to
+        b.n[i], b.s[i], b.ss[i] = k, k * level, k * level * level
+        b.ewma_n[:] = 0
+        b.shifts += 1
+        self.shifts += 1
+
+    # ------------------------------------------------------------------ inspection
+
+    def best(self, context: Context) -> Arm | None:
+        """The arm with the lowest estimated loss in `context` (None if never seen)."""
+        b = self._bins.get(context)
+        if b is None:
+            return None
+        means, _, _, known = self._estimates(context, b)
+        if not known.any():
+            return None
+        return self.arms[int(np.argmin(np.where(known, means, np.inf)))]
+
+    def means(self, context: Context) -> dict:
+        b = self._bins.get(context)
+        if b is None:
+            return {}
+        means, cnt, _, known = self._estimates(context, b)
+        return {a: (float(means[i]), float(cnt[i])) for i, a in enumerate(self.arms) if known[i]}
+
+    @property
+    def contexts(self) -> list:
+        return list(self._bins)
+
+    def arm_counts(self) -> dict:
+        return {a: int(self._plays_total[i]) for i, a in enumerate(self.arms) if self._plays_total[i]}
+
+    def stats(self) -> dict:
+        per = {}
+        for ctx, b in self._bins.items():
+            held = self.arms[b.block_arm] if b.block_arm is not None else None
+            per[ctx] = {"best": self.best(ctx), "held": held, "steps": int(b.t), "blocks": b.blocks,
+                        "shifts": b.shifts,
+                        "plays": {a: int(b.plays[i]) for i, a in enumerate(self.arms) if b.plays[i]},
+                        "blocks_per_arm": {a: int(b.chosen[i]) for i, a in enumerate(self.arms)
+                                           if b.chosen[i]}}
+        return {"steps": self.step, "switches": self.switches, "shifts": self.shifts,
+                "stale_resets": self.stale_resets, "current": self.current,
+                "arm_counts": self.arm_counts(), "contexts": per}

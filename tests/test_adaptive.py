@@ -1,0 +1,74 @@
+"""mode = "auto": the planner switches gamma and mode, and offloads the drafter, losslessly."""
+import pytest
+import torch
+
+from backend.engine import Engine
+from backend.engine_config import ConfigError, EngineConfig
+from backend.kv_cache import PagedKVCache
+from backend.model_config import ModelConfig
+from backend.sampling_params import SamplingParams
+from model_factory import TINY_DRAFTER, TINY_TARGET
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from client.prompts import load_prompts
+    return [p[: 20 + 29 * i % 250] for i, p in enumerate(load_prompts(n=24))]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(prompts):
+    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
+
+
+def block_bytes() -> int:
+    return PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
+
+
+def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outputs):
+    # A tight pool and an eager offload policy, so that the run offloads under load (many
+    # requests at once) and reloads when the load drops (one request at a time).
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
+        kv_cache_bytes=30 * block_bytes(),
+        planner={"offload_after_steps": 3, "offload_after_s": 0.0, "kv_pressure": 0.5}))
+    try:
+        burst = engine.generate(prompts[:16], GREEDY)                         # high load
+        trickle = engine.generate(prompts[16:], GREEDY, max_concurrency=1)    # low load
+        assert [c.output_ids for c in burst + trickle] == ar_outputs
+        stats = engine.stats()
+        assert stats.drafted_tokens > 0, "the planner never speculated"
+        assert engine.planner.stats()["arm_counts"], "the planner made no decisions"
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert engine.drafter.num_sequences() == 0
+        if stats.offloads:
+            assert engine.kv.num_blocks >= 30
+    finally:
+        engine.close()
+
+
+def test_offload_then_reload_under_auto(prompts, ar_outputs):
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
+        kv_cache_bytes=24 * block_bytes(),
+        planner={"offload_after_steps": 2, "offload_after_s": 0.0, "kv_pressure": 0.3,
+                 "modes": ("ar",)}))
+    try:
+        # Only plain decoding allowed: a sustained gamma = 0 under pressure must offload.
+        out = engine.generate(prompts[:12], GREEDY)
+        assert [c.output_ids for c in out] == ar_outputs[:12]
+        assert engine.stats().offloads == 1
+        assert engine.drafter.state == "offloaded"
+        assert engine.kv.num_blocks > 24, "the freed drafter bytes did not grow the target pool"
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        engine.close()
+
+
+def test_planner_settings_are_validated():
+    with pytest.raises(ConfigError, match="unknown setting"):
+        EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
+                     planner={"offload_after_stepz": 3})

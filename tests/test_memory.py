@@ -1,0 +1,121 @@
+"""Elastic memory: the drafter's weights go to host memory and its bytes become target KV blocks,
+then come back, with no request lost, corrupted or leaking blocks."""
+import time
+
+import pytest
+import torch
+
+from backend.engine import Engine
+from backend.engine_config import EngineConfig
+from backend.kv_cache import PagedKVCache
+from backend.memory import ElasticMemory
+from backend.sampling_params import SamplingParams
+from model_factory import TINY_DRAFTER, TINY_TARGET
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from client.prompts import load_prompts
+    return [p[: 30 + 23 * i % 200] for i, p in enumerate(load_prompts(n=10))]
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(prompts):
+    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
+
+
+def sd_engine_with_memory(kv_blocks: int) -> tuple[Engine, ElasticMemory]:
+    from backend.model_config import ModelConfig
+    block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), gamma=4,
+                                 kv_cache_bytes=kv_blocks * block))
+    weights = sum(p.numel() * p.element_size() for p in engine.target.parameters())
+    return engine, ElasticMemory(engine.kv, engine.drafter, engine.scheduler, block, weights)
+
+
+def drafter_weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.drafter.drafter.model.state_dict().items()}
+
+
+def test_offload_grows_the_pool_and_reload_restores_everything(prompts, ar_outputs):
+    engine, memory = sd_engine_with_memory(kv_blocks=24)     # tight: requests queue for blocks
+    before = drafter_weights(engine)
+    base = engine.kv.num_blocks
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    tokens = {i: [] for i in range(len(prompts))}
+    step, phase = 0, "sd"
+    max_running_offloaded = max_running_sd = 0
+    while engine.has_unfinished():
+        if phase == "sd" and step == 5:
+            engine.set_gamma(0)
+            memory.offload()
+            assert engine.drafter.state == "offloaded"
+            assert engine.kv.num_blocks > base, "freed drafter bytes did not become KV blocks"
+            phase = "offloaded"
+        elif phase == "offloaded" and step == 25:
+            memory.start_reload()
+            assert engine.kv.num_blocks == base           # shrunk back first, preempting if needed
+            phase = "reloading"
+        elif phase == "reloading":
+            if memory.poll() is not None:
+                engine.set_gamma(4)
+                phase = "sd-again"
+        for o in engine.step():
+            tokens[int(o.request_id)] += o.new_token_ids
+        running = len(engine.scheduler.running)
+        if phase == "offloaded":
+            max_running_offloaded = max(max_running_offloaded, running)
+        elif phase == "sd":
+            max_running_sd = max(max_running_sd, running)
+        step += 1
+        if phase == "reloading":
+            time.sleep(0.01)
+    assert phase == "sd-again", f"the run ended in phase {phase}"
+    assert [tokens[i] for i in range(len(prompts))] == ar_outputs
+    assert max_running_offloaded > max_running_sd, "the bigger pool did not admit more requests"
+    after = drafter_weights(engine)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), "weights changed on the round trip"
+    assert memory.offloads == 1 and memory.reloads == 1
+    assert [e.kind for e in memory.events] == ["offload", "reload_start", "reload_done"]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.drafter.kv_usage == 0.0 and engine.drafter.num_sequences() == 0
+
+
+def test_drafter_catches_up_after_reload_and_speculates_again(prompts, ar_outputs):
+    engine, memory = sd_engine_with_memory(kv_blocks=64)
+    engine.add_request("a", prompts[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.set_gamma(0)
+    memory.offload()
+    for _ in range(4):
+        engine.step()
+    memory.start_reload()
+    while memory.poll() is None:
+        time.sleep(0.01)
+    engine.set_gamma(4)
+    drafted = engine.stats().drafted_tokens
+    catchup = engine.stats().drafter_catchup_tokens
+    tokens = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+    assert engine.stats().drafted_tokens > drafted
+    # The drafter rebuilt its cache for the whole sequence (prompt + tokens made while it was off).
+    assert engine.stats().drafter_catchup_tokens - catchup >= len(engine.tokenizer.encode(prompts[0]))
+
+
+def test_budget_accounts_for_every_owner():
+    engine, memory = sd_engine_with_memory(kv_blocks=32)
+    b = memory.budget()
+    assert b["target_weights"] > 0 and b["target_kv"] == 32 * memory.block_bytes and b["drafter"] > 0
+    memory.offload()
+    b2 = memory.budget()
+    assert b2["drafter"] == 0
+    assert b2["target_kv"] - b["target_kv"] <= b["drafter"]    # grew by at most what was freed
+    assert b2["target_kv"] > b["target_kv"]

@@ -1,0 +1,434 @@
+"""The adaptive planner: the contextual bandit on synthetic cost environments, and the planner on a
+synthetic engine where speculation wins at small batches and plain decoding at large ones."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from planner.bandit import ContextualBandit
+from planner.cost_model import CostProfile, expected_tokens_per_call
+from planner.planner import AR, Decision, Planner, batch_bin
+from planner.signals import LoadSignals
+
+
+# ---------------------------------------------------------------------------------------------
+# bandit on synthetic environments: loss = f(context, arm) * (1 + noise)
+
+
+def simulate(bandit, f, T, context=lambda t: 0, noise=0.1, seed=0):
+    """Run T steps; return (arms played, per-step regret against the best arm of the context)."""
+    rng = np.random.default_rng(seed)
+    played, regret = [], np.zeros(T)
+    for t in range(T):
+        c = context(t)
+        a = bandit.select(c)
+        mu = f(c, a, t)
+        regret[t] = mu - min(f(c, x, t) for x in bandit.arms)
+        bandit.update(c, a, mu * (1.0 + noise * rng.standard_normal()))
+        played.append(a)
+    return played, regret
+
+
+ARMS6 = list(range(6))
+
+
+def two_contexts(c, a, t):
+    best = 1 if c == 0 else 4           # each context has its own best arm
+    return 1.0 + 0.15 * abs(a - best)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bandit_converges_to_best_arm_per_context(seed):
+    b = ContextualBandit(ARMS6, seed=seed)
+    ctx = lambda t: (t // 250) % 2       # noqa: E731 - contexts alternate in visits of 250 steps
+    played, _ = simulate(b, two_contexts, 8000, context=ctx, seed=seed)
+    assert b.best(0) == 1 and b.best(1) == 4
+    tail = [(ctx(t), a) for t, a in enumerate(played)][-2000:]
+    for c, best in ((0, 1), (1, 4)):
+        arms = [a for cc, a in tail if cc == c]
+        assert np.mean([a == best for a in arms]) > 0.9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bandit_regret_is_sublinear(seed):
+    # stationary environment, no discounting: regret of the second half << regret of the first
+    b = ContextualBandit(ARMS6, seed=seed, discount=1.0)
+    _, regret = simulate(b, two_contexts, 20000, context=lambda t: (t // 500) % 2, seed=seed)
+    first, second = regret[:10000].sum(), regret[10000:].sum()
+    assert first > 0
+    assert second < 0.3 * first, (first, second)
+    # with the default (discounted, so it keeps re-probing) regret(T)/T still falls
+    b = ContextualBandit(ARMS6, seed=seed)
+    _, regret = simulate(b, two_contexts, 20000, context=lambda t: (t // 500) % 2, seed=seed)
+    assert regret[:20000].mean() < 0.5 * regret[:1000].mean()
+
+
+def near_equal(c, a, t):
+    return 1.0 if a == "ar" else 1.01   # within noise of each other
+
+
+@pytest.mark.parametrize("growth", [1.0, 2.0])
+def test_switching_cost_suppresses_thrashing(growth):
+    T = 4000 if growth == 1.0 else 20000   # (no blocks: a decision every step, slower)
+    def switches(cost):
+        out = []
+        for seed in range(3):
+            b = ContextualBandit(["ar", "sd"], seed=seed, switch_cost=cost, block_growth=growth)
+            simulate(b, near_equal, T, noise=0.2, seed=seed)
+            out.append(b.switches)
+        return np.mean(out)
+
+    free = switches(None)
+    costly = switches(lambda a, b: 5.0 if a != b else 0.0)
+    if growth == 1.0:         # no blocks: plain UCB flips whenever the two indices cross
+        assert free > 150
+        assert costly < free / 10
+    else:                     # blocks alone keep switches O(log T); the cost halves them again
+        assert costly < free / 2
+    # blocks alone already keep a growing-block bandit far below one switch per step
+    assert free < T / 5
+
+
+def test_bandit_block_lengths_grow_in_a_context():
+    lengths = []
+
+    class Recording(ContextualBandit):
+        def _block_len(self, b, i):
+            n = super()._block_len(b, i)
+            lengths.append((self.arms[i], n))
+            return n
+
+    b = Recording(["a", "b"], seed=0, max_block=64)
+    f = lambda c, a, t: 1.0 if a == "a" else 1.3   # noqa: E731
+    simulate(b, f, 3000, noise=0.05)
+    a_blocks = [n for a, n in lengths if a == "a"]
+    assert a_blocks[0] <= 2 and a_blocks[-1] == 64             # explore early, settle later
+    assert a_blocks[:6] == sorted(a_blocks[:6])                 # growing (doubling) blocks
+    assert len(lengths) < 3000 / 20                             # a decision only at block ends
+    assert max(n for a, n in lengths if a == "b") <= 16         # the bad arm: short probes
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bandit_readapts_when_the_incumbent_gets_worse(seed):
+    f = lambda c, a, t: 1.0 + 0.15 * abs(a - (1 if t < 6000 else 4))   # noqa: E731
+    b = ContextualBandit(ARMS6, seed=seed)
+    played, _ = simulate(b, f, 8000, seed=seed)
+    after = np.array(played[6000:]) == 4
+    follow = next(i for i in range(len(after) - 100) if after[i:i + 100].mean() >= 0.9)
+    assert follow <= 300, follow
+    assert b.shifts >= 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bandit_finds_an_arm_that_improved_while_unplayed(seed):
+    # the incumbent does not change, so only discounting (re-probing) can find the new best
+    f = lambda c, a, t: 1.0 + 0.15 * abs(a - 1) - (0.6 if (a == 4 and t >= 5000) else 0.0)  # noqa
+    b = ContextualBandit(ARMS6, seed=seed)
+    played, _ = simulate(b, f, 15000, seed=seed)
+    after = np.array(played[5000:]) == 4
+    follow = next(i for i in range(0, len(after) - 100, 10) if after[i:i + 100].mean() >= 0.9)
+    assert follow <= 6000, follow
+    assert after[-2000:].mean() > 0.9
+
+
+def test_stale_context_is_reexplored():
+    b = ContextualBandit(ARMS6, seed=0, stale_after=1000)
+    simulate(b, two_contexts, 3000, context=lambda t: 0)
+    simulate(b, two_contexts, 2000, context=lambda t: 1)
+    assert b.stale_resets == 0
+    simulate(b, two_contexts, 10, context=lambda t: 0)
+    assert b.stale_resets == 1
+
+
+def test_prior_warm_start_reduces_regret_and_survives_a_wrong_scale():
+    f = lambda c, a, t: 1.0 + 0.15 * abs(a - 3)           # noqa: E731
+    totals = {}
+    for name, prior in (("none", None), ("good", lambda c, a: f(c, a, 0)),
+                        ("scaled", lambda c, a: 3.0 * f(c, a, 0))):   # right ordering, wrong scale
+        r = []
+        for seed in range(3):
+            b = ContextualBandit(ARMS6, seed=seed, prior=prior)
+            played, regret = simulate(b, f, 3000, seed=seed)
+            assert b.best(0) == 3
+            r.append(regret.sum())
+        totals[name] = np.mean(r)
+    assert totals["good"] < totals["none"]
+    assert totals["scaled"] < totals["none"]
+
+
+def test_min_hold_spaces_switches():
+    b = ContextualBandit(ARMS6, seed=0, min_hold=8, block_growth=1.0)
+    played, _ = simulate(b, two_contexts, 3000, context=lambda t: (t // 3) % 2)
+    idx = [t for t in range(1, len(played)) if played[t] != played[t - 1]]
+    assert idx and min(np.diff(idx)) >= 8
+
+
+def test_bandit_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        ContextualBandit([])
+    with pytest.raises(ValueError):
+        ContextualBandit(["a", "a"])
+    with pytest.raises(ValueError):
+        ContextualBandit(["a"], initial_block=0)
+    with pytest.raises(ValueError):
+        ContextualBandit(["a"], discount=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# planner on a synthetic engine: verification compute grows with b * (gamma + 1), so speculation
+# wins when the target is idle (small batches) and loses when it is busy (large batches)
+
+ALPHA = 0.7
+C0, C1, D0, D1 = 0.020, 0.0006, 0.002, 0.00005
+
+
+def t_verify(b, n):
+    return C0 + C1 * b * n
+
+
+def t_draft(b):
+    return D0 + D1 * b
+
+
+def true_step(mode, gamma, b):
+    """(wall seconds, expected tokens, sequences advanced) of one step."""
+    if mode == "psd" and b < 2:
+        mode = "sd"
+    if mode == "ar":
+        return t_verify(b, 1), b, b
+    e = expected_tokens_per_call(ALPHA, gamma)
+    if mode == "sd":
+        return gamma * t_draft(b) + t_verify(b, gamma + 1), b * e, b
+    h = int(np.ceil(b / 2))
+    return max(gamma * t_draft(b / 2), t_verify(h, gamma + 1)), h * e, h
+
+
+def profile() -> CostProfile:
+    bs = [1, 2, 4, 8, 16, 32, 64, 128]
+    return CostProfile({(b, n): t_verify(b, n) for b in bs for n in range(1, 8)},
+                       {b: t_draft(b) for b in bs})
+
+
+class FakeEngine:
+    """Runs the planner's decisions on the synthetic costs, with sampled acceptances, noisy step
+    times, a drafter catch-up that costs `rebuild_per_token` per token it missed (at most 200 per
+    running sequence), and an optional offload/reload of the drafter."""
+
+    def __init__(self, planner, seed=0, noise=0.1, rebuild_per_token=2e-5, reload_s=0.5):
+        self.p, self.rng, self.noise = planner, np.random.default_rng(seed), noise
+        self.rebuild_per_token, self.reload_s = rebuild_per_token, reload_s
+        self.t, self.lag, self.offloaded = 0.0, 0, False
+        self.offloads = 0
+
+    def step(self, batch, waiting=0, kv_usage=0.3):
+        s = LoadSignals(batch_size=batch, waiting=waiting, kv_usage=kv_usage, now=self.t,
+                        drafter_offloaded=self.offloaded)
+        d = self.p.decide(s)
+        wall, tokens, nseq = true_step(d.mode, d.gamma, batch)
+        wall *= 1.0 + self.noise * self.rng.standard_normal()
+        if d.mode != "ar":
+            acc = np.minimum(self.rng.geometric(1 - ALPHA, size=nseq) - 1, d.gamma)
+            tokens = int((acc + 1).sum())
+        rebuild = reload = 0.0
+        if d.mode == "ar":
+            self.lag = min(self.lag + tokens, 200 * batch)
+        else:
+            if self.offloaded:
+                reload, self.offloaded = self.reload_s, False
+            rebuild, self.lag = self.rebuild_per_token * self.lag, 0
+        self.p.observe(d, step_wall_s=wall + rebuild, tokens_committed=int(tokens),
+                       drafter_rebuild_s=rebuild, drafter_reload_s=reload, batch_size=nseq)
+        if d.mode == "ar" and not self.offloaded and self.p.wants_offload(s):
+            self.offloaded = True
+            self.offloads += 1
+        self.t += wall + rebuild
+        return d, wall + rebuild, tokens
+
+
+def best_arm(b, arms):
+    return min(arms, key=lambda a: true_step(a[0], a[1], b)[0] / true_step(a[0], a[1], b)[1])
+
+
+def test_synthetic_environment_has_the_real_life_shape():
+    arms = [("ar", 0)] + [(m, g) for m in ("sd", "psd") for g in range(1, 7)]
+    assert best_arm(2, arms)[0] != "ar"
+    assert best_arm(96, arms) == ("ar", 0)
+
+
+@pytest.mark.parametrize("with_profile", [False, True])
+def test_planner_follows_the_batch_size(with_profile):
+    p = Planner(gamma_max=6, psd_available=True, cost_profile=profile() if with_profile else None,
+                seed=0)
+    eng = FakeEngine(p, seed=0)
+    rng = np.random.default_rng(1)
+    phases = [(2, 2500), (96, 2500), (2, 2500)]
+    for k, (b, n) in enumerate(phases):
+        decisions, wall, tokens, oracle = [], 0.0, 0, 0.0
+        for i in range(n):
+            bb = max(1, b + int(rng.integers(-(b // 4), b // 4 + 1)))
+            d, w, tok = eng.step(bb)
+            decisions.append(d)
+            wall += w
+            tokens += tok
+            a = best_arm(bb, p.arms)
+            oracle += true_step(*a, bb)[0] / true_step(*a, bb)[1]
+        tail = decisions[-1000:]
+        spec = np.mean([d.speculative for d in tail])
+        if b == 2:
+            assert spec > 0.9, (k, spec)
+        else:
+            assert spec < 0.1, (k, spec)
+        # achieved per-token latency within 10 % of the per-step oracle over the whole phase
+        assert (wall / tokens) < 1.1 * oracle / n, (k, wall / tokens, oracle / n)
+    st = p.stats()
+    assert st["mode_switches"] < 60
+    assert st["switches"] < 400
+    assert set(st["per_context"]) >= {"b2-3", "b64-127"}
+    assert st["per_context"]["b64-127"]["best"] == "ar"
+    assert st["per_context"]["b2-3"]["best"].startswith(("sd", "psd"))
+    assert abs(st["alpha_estimate"] - ALPHA) < 0.08
+
+
+def test_planner_measures_the_switching_cost_and_charges_it():
+    p = Planner(gamma_max=4, psd_available=False, seed=0)
+    assert p.stats()["switch_cost"]["rebuild_s_per_token"] is None   # nothing assumed
+    eng = FakeEngine(p, seed=0, rebuild_per_token=3e-5)
+    for b in [96] * 600 + [2] * 600:
+        eng.step(b)
+    sc = p.stats()["switch_cost"]
+    assert sc["rebuild_samples"] >= 1
+    # the engine's lag is capped at 200 tokens per sequence and so is the planner's estimate
+    assert sc["rebuild_s_per_token"] == pytest.approx(3e-5, rel=0.35)
+
+    # a bin on the border: AR and SD nearly equal; an expensive catch-up makes it stick to one
+    def mode_switches(rebuild):
+        p = Planner(gamma_max=3, psd_available=False, seed=0)
+        eng = FakeEngine(p, seed=0, rebuild_per_token=rebuild)
+        rng = np.random.default_rng(0)
+        for _ in range(6000):
+            eng.step(int(rng.integers(40, 64)))
+        return p.stats()["mode_switches"]
+
+    assert mode_switches(1e-3) < mode_switches(0.0)
+
+
+def test_wall_time_without_the_catchup_is_the_arms_loss():
+    p = Planner(gamma_max=2, psd_available=False, seed=0, initial_block=1)
+    s = LoadSignals(batch_size=4, now=0.0)
+    d = Decision("sd", 2)
+    p.decide(s)
+    p.observe(d, step_wall_s=1.0, tokens_committed=10, drafter_rebuild_s=0.9, batch_size=4)
+    mean, _ = p.bandit.means("b4-7")[("sd", 2)]
+    assert mean == pytest.approx(0.1 / 10 * p._norm("b4-7", 4))
+
+
+def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
+    p = Planner(gamma_max=3, psd_available=False, seed=0, offload_after_steps=50,
+                offload_after_s=0.5)
+    eng = FakeEngine(p, seed=0)
+    for _ in range(300):                 # small batch: speculation, never offload
+        eng.step(2, waiting=3, kv_usage=0.95)
+        assert not p.wants_offload(LoadSignals(batch_size=2, waiting=3, kv_usage=0.95, now=eng.t))
+    # large batch, no memory pressure: gamma = 0 but nothing to gain from offloading
+    for _ in range(400):
+        eng.step(96, waiting=0, kv_usage=0.5)
+    assert p.current == AR
+    assert not p.wants_offload(LoadSignals(batch_size=96, waiting=0, kv_usage=0.5, now=eng.t))
+    assert eng.offloads == 0
+    # pressure (requests waiting) -> yes; and (kv usage above threshold) -> yes
+    assert p.wants_offload(LoadSignals(batch_size=96, waiting=5, kv_usage=0.5, now=eng.t))
+    assert p.wants_offload(LoadSignals(batch_size=96, waiting=0, kv_usage=0.97, now=eng.t))
+    # not sustained: a fresh gamma = 0 run under pressure is not enough
+    q = Planner(gamma_max=3, psd_available=False, seed=0, modes=("ar",), offload_after_steps=50,
+                offload_after_s=0.5)
+    for i in range(49):
+        q.decide(LoadSignals(batch_size=8, waiting=5, now=i * 0.1))
+        assert not q.wants_offload(LoadSignals(batch_size=8, waiting=5, now=i * 0.1))
+    q.decide(LoadSignals(batch_size=8, waiting=5, now=4.9))
+    assert q.wants_offload(LoadSignals(batch_size=8, waiting=5, now=4.9))
+    # steps alone are not enough either: the seconds must have passed too
+    r = Planner(gamma_max=3, psd_available=False, seed=0, modes=("ar",), offload_after_steps=10,
+                offload_after_s=5.0)
+    for i in range(100):
+        r.decide(LoadSignals(batch_size=8, waiting=5, now=i * 0.01))
+    assert not r.wants_offload(LoadSignals(batch_size=8, waiting=5, now=0.99))
+    r.decide(LoadSignals(batch_size=8, waiting=5, now=5.5))
+    assert r.wants_offload(LoadSignals(batch_size=8, waiting=5, now=5.5))
+
+
+def test_offload_and_reload_feed_the_switch_cost():
+    p = Planner(gamma_max=3, psd_available=False, seed=0, offload_after_steps=20,
+                offload_after_s=0.0)
+    eng = FakeEngine(p, seed=0, reload_s=0.4)
+    for _ in range(500):
+        eng.step(96, waiting=4)
+    assert eng.offloads == 1 and p.drafter_offloaded
+    assert p.stats()["offload_requests"] == 1
+    for _ in range(1500):
+        eng.step(2)
+    sc = p.stats()["switch_cost"]
+    assert sc["reload_samples"] == 1 and sc["reload_s"] == pytest.approx(0.4)
+    assert not p.drafter_offloaded
+    spec = [eng.step(2)[0].speculative for _ in range(300)]
+    assert np.mean(spec) > 0.9
+
+
+def test_arms_and_decisions():
+    p = Planner(gamma_max=3, psd_available=False)
+    assert p.arms == [("ar", 0), ("sd", 1), ("sd", 2), ("sd", 3)]
+    q = Planner(gamma_max=2, psd_available=True)
+    assert q.arms == [("ar", 0), ("sd", 1), ("sd", 2), ("psd", 1), ("psd", 2)]
+    assert Planner(gamma_max=0, psd_available=True).arms == [("ar", 0)]
+    with pytest.raises(ValueError):
+        Decision("sd", 0)
+    with pytest.raises(ValueError):
+        Decision("ar", 2)
+    with pytest.raises(ValueError):
+        Decision("fast", 1)
+    assert str(Decision("psd", 3)) == "psd:3" and AR.gamma == 0
+    assert batch_bin(1) == (1, 1) and batch_bin(5) == (4, 7) and batch_bin(64) == (64, 127)
+
+
+def test_waiting_queue_context_bins():
+    p = Planner(gamma_max=2, psd_available=False, context_bins="batch_waiting")
+    for w in (0, 2, 9):
+        d = p.decide(LoadSignals(batch_size=5, waiting=w, now=0.0))
+        p.observe(d, step_wall_s=0.01, tokens_committed=5, batch_size=5)
+    assert set(p.stats()["per_context"]) == {"b4-7|w0", "b4-7|w1-3", "b4-7|w4-15"}
+    q = Planner(gamma_max=2, psd_available=False, context_bins=lambda s: s.batch_size > 10)
+    q.decide(LoadSignals(batch_size=30))
+    assert list(q.stats()["per_context"]) == ["True"]
+
+
+def test_stats_and_bounded_timeline():
+    p = Planner(gamma_max=3, psd_available=True, seed=0, timeline_max=64, timeline_every=5)
+    eng = FakeEngine(p, seed=0)
+    for i in range(3000):
+        eng.step(2 if (i // 500) % 2 == 0 else 96)
+    st = p.stats()
+    for key in ("switches", "mode_switches", "per_context", "arm_counts", "timeline", "switch_cost",
+                "offload_requests", "alpha_estimate", "current"):
+        assert key in st
+    tl = st["timeline"]
+    assert 16 <= len(tl) <= 64
+    assert tl[0][1] == 1 and tl[-1][1] > 2500          # still covers the whole run
+    assert all(len(e) == 5 and e[2] in ("ar", "sd", "psd") for e in tl)
+    assert [e[1] for e in tl] == sorted(e[1] for e in tl)
+    assert sum(st["arm_counts"].values()) == 3000
+    assert st["switches"] >= st["mode_switches"] >= 5
+
+
+def test_decide_is_cheap():
+    p = Planner(gamma_max=8, psd_available=True, cost_profile=profile(), seed=0)
+    rng = np.random.default_rng(0)
+    batches = rng.integers(1, 100, size=4000)     # worst case: a different bin almost every step
+    spent = []
+    for i, b in enumerate(batches):
+        s = LoadSignals(batch_size=int(b), now=i * 0.01)
+        t0 = time.perf_counter()
+        d = p.decide(s)
+        spent.append(time.perf_counter() - t0)
+        p.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
+    assert np.median(spent) < 200e-6, np.median(spent)
