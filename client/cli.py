@@ -5,18 +5,22 @@ import argparse
 import logging
 import sys
 
-from . import bench_compare, bench_dynamic, bench_offline
+from . import bench_compare, bench_dynamic, bench_offline, bench_serve, bench_vllm, launcher, triton_client
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nightdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    launcher.add_serve_parser(sub)
+    triton_client.add_complete_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_offline.add_offline_parser(bench_sub)
     bench_compare.add_compare_parser(bench_sub)
     bench_dynamic.add_dynamic_parser(bench_sub)
+    bench_serve.add_bench_serve_parser(bench_sub)
+    bench_vllm.add_vllm_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,110 @@
+"""Shared fixtures. ``triton_server``: a real tritonserver on free loopback ports.
+
+The server runs the project's model repository, copied to a temporary directory whose
+``nightdraft/1/engine.json`` points at the committed tiny pair with a small KV pool (one torch
+thread per engine: the two engines, nightdraft and the ensemble's nightdraft_tokens, share the
+2 CI cores with the test process). It starts once per session, on first use, and stops at the
+end; its log is kept in the temporary directory and its tail is printed if it fails to start.
+
+Environment knobs (for development): ``NIGHTDRAFT_TEST_TARGET`` / ``NIGHTDRAFT_TEST_DRAFTER``
+use other checkpoints; ``NIGHTDRAFT_TEST_SERVER_LOG`` writes the server log there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_TARGET = Path(os.environ.get("NIGHTDRAFT_TEST_TARGET", REPO / "models" / "tiny-target"))
+TINY_DRAFTER = Path(os.environ.get("NIGHTDRAFT_TEST_DRAFTER", REPO / "models" / "tiny-drafter"))
+
+SERVER_READY_TIMEOUT_S = 240
+# KV blocks per engine in the test server: enough for 16+ concurrent short requests.
+TEST_KV_BLOCKS = 192
+TEST_BLOCK_SIZE = 16
+
+
+def _kv_bytes_per_block(ckpt: Path, block_size: int, dtype_bytes: int = 4) -> int:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * block_size
+
+
+def test_engine_config() -> dict:
+    """The engine configuration the test server uses (also for offline reference runs)."""
+    return {
+        "target": str(TINY_TARGET.resolve()),
+        "drafter": str(TINY_DRAFTER.resolve()),
+        "device": "cpu",
+        "dtype": "auto",
+        "mode": "sd",
+        "gamma": 4,
+        "block_size": TEST_BLOCK_SIZE,
+        "kv_cache_bytes": TEST_KV_BLOCKS * _kv_bytes_per_block(TINY_TARGET, TEST_BLOCK_SIZE),
+        "max_num_seqs": 32,
+        "num_threads": 1,
+    }
+
+
+test_engine_config.__test__ = False  # a helper, not a test
+
+
+@dataclass
+class ServerInfo:
+    server: object            # client.launcher.TritonServer
+    repository: Path
+    engine_config: dict
+    log_file: Path
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def grpc_url(self) -> str:
+        return self.server.grpc_url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.server.metrics_url
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory):
+    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
+
+    for ckpt in (TINY_TARGET, TINY_DRAFTER):
+        if not (ckpt / "config.json").is_file():
+            pytest.skip(f"no checkpoint at {ckpt} (make the tiny pair: make tiny-models)")
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+
+    tmp = tmp_path_factory.mktemp("triton")
+    repo = tmp / "model_repository"
+    shutil.copytree(REPO / "model_repository", repo,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    cfg = test_engine_config()
+    (repo / "nightdraft" / "1" / "engine.json").write_text(json.dumps(cfg, indent=2))
+    log_file = Path(os.environ.get("NIGHTDRAFT_TEST_SERVER_LOG", tmp / "tritonserver.log"))
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          host="127.0.0.1", log_file=log_file, exit_timeout_s=10)
+    server.start()
+    try:
+        server.wait_ready(SERVER_READY_TIMEOUT_S)
+    except LauncherError as e:
+        server.stop(timeout_s=20)
+        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    info = ServerInfo(server=server, repository=repo, engine_config=cfg, log_file=log_file)
+    yield info
+    rc = server.stop(timeout_s=60)
+    if rc not in (0, None):
+        print(f"\ntritonserver exited with code {rc}; log: {log_file}\n{server.log_tail(40)}")

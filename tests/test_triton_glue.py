@@ -1,0 +1,271 @@
+"""The Triton glue without a server: request parsing, metrics plumbing and the launcher's
+layout, against fakes of ``triton_python_backend_utils``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.sampling_params import InvalidRequest
+from backend.triton_metrics import TritonMetrics, psd_overlap
+from backend.triton_model import parse_text_request, parse_tokens_request
+
+
+class FakeTensor:
+    def __init__(self, name, value):
+        self.name = name
+        self._v = np.asarray(value)
+
+    def as_numpy(self):
+        return self._v
+
+
+class FakeRequest:
+    def __init__(self, tensors: dict, parameters: str = "{}"):
+        self.tensors = {k: FakeTensor(k, v) for k, v in tensors.items()}
+        self._params = parameters
+
+    def parameters(self):
+        return self._params
+
+
+class FakePb:
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.tensors.get(name)
+
+
+def text(**kw):
+    params = kw.pop("_params", "{}")
+    t = {}
+    for k, v in kw.items():
+        if isinstance(v, str):
+            v = np.array([v.encode()], dtype=np.object_)
+        elif isinstance(v, bool):
+            v = np.array([v])
+        elif isinstance(v, int):
+            v = np.array([v], dtype=np.int32)
+        t[k] = v
+    return parse_text_request(FakePb, FakeRequest(t, params))
+
+
+def test_text_request_defaults_follow_the_vllm_backend():
+    p = text(text_input="hello")
+    assert p.prompt == "hello" and not p.stream and p.prepend_input
+    assert p.params.max_tokens == 16
+    p = text(text_input="hello", stream=True)
+    assert p.stream and not p.prepend_input
+    p = text(text_input="hello", exclude_input_in_output=True)
+    assert not p.prepend_input
+    with pytest.raises(InvalidRequest, match="exclude_input_in_output"):
+        text(text_input="hello", stream=True, exclude_input_in_output=False)
+
+
+def test_sampling_sources_and_precedence():
+    # request parameters < sampling_parameters < max_tokens tensor
+    p = text(text_input="x", _params=json.dumps({"temperature": 0.5, "max_tokens": 3, "stream": True}),
+             sampling_parameters=json.dumps({"temperature": "0", "top_k": "5", "max_tokens": "7"}))
+    assert p.params.temperature == 0.0 and p.params.top_k == 5 and p.params.max_tokens == 7
+    assert p.stream   # a flag from the request parameters
+    p = text(text_input="x", sampling_parameters=json.dumps({"max_tokens": "7"}), max_tokens=9)
+    assert p.params.max_tokens == 9
+    p = text(text_input="x", sampling_parameters=json.dumps({"ignore_eos": False}), ignore_eos=True)
+    assert p.params.ignore_eos   # genai-perf --extra-inputs ignore_eos:true
+    p = text(text_input="x", _params=json.dumps({"return_finish_reason": "true"}), return_num_output_tokens=True)
+    assert p.return_finish_reason and p.return_num_output_tokens and not p.return_num_input_tokens
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({}, "text_input"),
+    ({"text_input": ""}, "empty"),
+    ({"text_input": "x", "sampling_parameters": "{nope"}, "not valid JSON"),
+    ({"text_input": "x", "sampling_parameters": "[1]"}, "JSON object"),
+    ({"text_input": "x", "sampling_parameters": '{"temprature": 1}'}, "temprature"),
+    ({"text_input": "x", "sampling_parameters": '{"top_p": 0}'}, "top_p"),
+    ({"text_input": "x", "max_tokens": 0}, "max_tokens"),
+    ({"text_input": "x", "_params": '{"stream": "sometimes"}'}, "stream"),
+])
+def test_bad_text_requests_name_the_problem(kw, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        text(**kw)
+
+
+def test_text_input_must_be_utf8_and_single():
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        parse_text_request(FakePb, FakeRequest({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}))
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        parse_text_request(FakePb, FakeRequest({"text_input": np.array([b"a", b"b"], dtype=np.object_)}))
+    p = parse_text_request(FakePb, FakeRequest({"text_input": np.array([[b"2-d"]], dtype=np.object_)}))
+    assert p.prompt == "2-d"
+
+
+def test_tokens_request():
+    req = FakeRequest({"input_ids": np.array([5, 6, 7, 0], dtype=np.int32),
+                       "input_lengths": np.array([3], dtype=np.int32),
+                       "request_output_len": np.array([4], dtype=np.int32),
+                       "streaming": np.array([True]),
+                       "temperature": np.array([0.0], dtype=np.float32),
+                       "random_seed": np.array([3], dtype=np.uint64)})
+    p = parse_tokens_request(FakePb, req)
+    assert p.prompt == [5, 6, 7] and p.stream
+    assert p.params.max_tokens == 4 and p.params.temperature == 0.0 and p.params.seed == 3
+    with pytest.raises(InvalidRequest, match="input_ids"):
+        parse_tokens_request(FakePb, FakeRequest({}))
+    with pytest.raises(InvalidRequest, match="empty"):
+        parse_tokens_request(FakePb, FakeRequest({"input_ids": np.array([], dtype=np.int32)}))
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+class FakeMetric:
+    def __init__(self, fam, labels, buckets=None):
+        self.fam, self.labels, self.buckets = fam, labels, buckets
+        self.value = 0.0
+        self.observed = []
+
+    def increment(self, v):
+        assert self.fam.kind == "COUNTER" and v >= 0
+        self.value += v
+
+    def set(self, v):
+        assert self.fam.kind == "GAUGE"
+        self.value = v
+
+    def observe(self, v):
+        assert self.fam.kind == "HISTOGRAM" and self.buckets
+        self.observed.append(v)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
+    registry: dict = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.registry[name] = self
+
+    def Metric(self, labels, buckets=None):
+        m = FakeMetric(self, labels, buckets)
+        self.metrics.append(m)
+        return m
+
+
+class FakePbMetrics:
+    MetricFamily = FakeFamily
+
+
+def test_metrics_counters_follow_engine_totals_and_gauges_track_state():
+    from backend.outputs import EngineStats, StepStats
+    tm = TritonMetrics(FakePbMetrics, {"model": "m", "version": "1"}, min_update_interval_s=0.0)
+    s = EngineStats(num_running=3, num_waiting=1, kv_total_blocks=100, kv_free_blocks=40, kv_usage=0.6,
+                    mode="psd", gamma=4, drafter_state="on_device", prompt_tokens=50,
+                    generation_tokens=20, drafted_tokens=16, accepted_tokens=12,
+                    last_step=StepStats(mode="psd", t_draft_s=0.01, t_verify_s=0.03, t_step_s=0.032))
+    tm.update_from_stats(s, force=True)
+    s.generation_tokens, s.drafted_tokens, s.accepted_tokens = 30, 24, 16
+    tm.update_from_stats(s, force=True)
+    m = tm.metrics
+    assert m["generation_tokens"].value == 30 and m["prompt_tokens"].value == 50
+    assert m["drafted"].value == 24 and m["accepted"].value == 16
+    assert m["acceptance"].value == pytest.approx(16 / 24)
+    assert m["running"].value == 3 and m["waiting"].value == 1 and m["kv_free"].value == 40
+    assert m["mode:psd"].value == 1 and m["mode:sd"].value == 0
+    assert m["drafter:on_device"].value == 1 and m["drafter:offloaded"].value == 0
+    assert m["overlap"].value == pytest.approx((0.01 + 0.03 - 0.032) / 0.01)
+    tm.observe_request(ttft_s=0.1, tpot_s=0.01, e2e_s=0.5, finish_reason="length")
+    assert m["ttft"].observed == [0.1] and m["finished:length"].value == 1
+    # every family a dashboard needs is registered
+    for name in ("nightdraft_time_to_first_token_seconds", "nightdraft_time_per_output_token_seconds",
+                 "nightdraft_e2e_request_latency_seconds", "nightdraft_kv_cache_usage_ratio",
+                 "nightdraft_spec_decode_acceptance_rate", "nightdraft_pipeline_mode",
+                 "nightdraft_drafter_state"):
+        assert name in FakeFamily.registry
+
+
+def test_metrics_updates_are_throttled_unless_forced():
+    from backend.outputs import EngineStats
+    tm = TritonMetrics(FakePbMetrics, {"model": "m"}, min_update_interval_s=60.0)
+    assert tm.update_from_stats(EngineStats(), force=True)
+    assert not tm.update_from_stats(EngineStats(num_running=5))
+    assert tm.metrics["running"].value == 0
+    assert tm.update_from_stats(EngineStats(num_running=5), force=True)
+    assert tm.metrics["running"].value == 5
+
+
+def test_psd_overlap_is_zero_outside_psd():
+    from backend.outputs import EngineStats, StepStats
+    assert psd_overlap(EngineStats(last_step=StepStats(mode="sd", t_draft_s=1, t_verify_s=1, t_step_s=1))) == 0
+
+
+# ------------------------------------------------------------------------------ launcher
+
+
+def test_launcher_lays_out_a_python_backend_and_environment(tmp_path, monkeypatch):
+    from client import launcher
+    try:
+        inst = launcher.find_tritonserver()
+    except launcher.LauncherError as e:
+        pytest.skip(str(e))
+    if inst.source == "pytriton":
+        assert (inst.backend_dir / "python" / "libtriton_python.so").is_file()
+        stub = inst.backend_dir / "python" / "triton_python_backend_stub"
+        assert stub.is_file() and os.access(stub, os.X_OK)
+        assert any(p.name == "nvidia_pytriton.libs" for p in inst.lib_dirs)
+    env = launcher.server_env(inst, {"PATH": "/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.prefix) / "bin")
+    assert Path(env["NIGHTDRAFT_ROOT"], "backend", "__init__.py").is_file()
+    if inst.source == "pytriton":
+        assert all(str(p) in env["LD_LIBRARY_PATH"] for p in inst.lib_dirs)
+    srv = launcher.TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3, host="127.0.0.1")
+    cmd = srv.command()
+    assert f"--model-repository={tmp_path.resolve()}" in cmd and "--http-port=1" in cmd
+    assert srv.metrics_url == "http://127.0.0.1:3/metrics"
+
+
+def test_launcher_refuses_a_missing_binary(tmp_path):
+    from client import launcher
+    with pytest.raises(launcher.LauncherError, match="not an executable"):
+        launcher.find_tritonserver(tmp_path / "nope")
+
+
+def test_cli_parsers_wire_up():
+    import argparse
+
+    from client.bench_serve import add_bench_serve_parser
+    from client.launcher import add_serve_parser, serve_main
+    from client.triton_client import add_complete_parser, complete_main
+    from client.bench_serve import bench_serve_main
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    add_complete_parser(sub)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
+    add_bench_serve_parser(bench)
+    a = p.parse_args(["serve", "--http-port", "9000"])
+    assert a.func is serve_main and a.http_port == 9000
+    a = p.parse_args(["complete", "hi", "--protocol", "http", "--max-tokens", "5", "--no-stream"])
+    assert a.func is complete_main and a.protocol == "http" and not a.stream
+    a = p.parse_args(["bench", "serve", "--request-rate", "4", "--num-prompts", "8", "--json", "x.json"])
+    assert a.func is bench_serve_main and a.request_rate == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench", "serve", "--request-rate", "4", "--concurrency", "2"])
+
+
+def test_metrics_export_drafter_health_and_psd_counters():
+    from backend.outputs import EngineStats
+    tm = TritonMetrics(FakePbMetrics, {"model": "m"}, min_update_interval_s=0.0)
+    s = EngineStats(drafter_state="restarting")
+    for attr, v in (("drafter_failures", 2), ("drafter_restarts", 1), ("psd_steps", 10),
+                    ("psd_overlapped_steps", 7)):
+        if hasattr(s, attr):
+            setattr(s, attr, v)
+    tm.update_from_stats(s, force=True)
+    assert tm.metrics["drafter:restarting"].value == 1 and tm.metrics["drafter:on_device"].value == 0
+    if hasattr(s, "psd_steps"):
+        assert tm.metrics["psd_steps"].value == 10 and tm.metrics["psd_overlapped_steps"].value == 7
+        assert tm.metrics["drafter_failures"].value == 2
