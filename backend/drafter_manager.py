@@ -31,8 +31,9 @@ class _Done:
 
 class DrafterManager:
     def __init__(self, config: EngineConfig, *, vocab_size: int, kv_cache_bytes: int,
-                 max_rows: int, dtype: torch.dtype):
+                 max_rows: int, dtype: torch.dtype, cores: list[int] | None = None):
         self.config = config
+        self.cores = cores
         self.remote = config.drafter_device is not None
         self._vocab_size = vocab_size
         self._kv_cache_bytes = kv_cache_bytes
@@ -61,20 +62,23 @@ class DrafterManager:
         spec = WorkerSpec(path=cfg.drafter, device=cfg.drafter_device,
                           dtype=str(self._dtype).removeprefix("torch."),
                           kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
-                          seed=cfg.seed)
+                          seed=cfg.seed, cores=self.cores)
         return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
                              timeout_s=cfg.drafter_timeout_s)
 
     @staticmethod
-    def pin_target_process(config: EngineConfig) -> list[int] | None:
-        """On a CPU host with the drafter on its own cores, keep the target off them."""
+    def place_cpu_worker(config: EngineConfig) -> list[int] | None:
+        """On a CPU host with the drafter on its own cores: plan both sides' cores, pin this
+        (the target's) process to its share and return the drafter's. Planned before pinning,
+        since a worker started later inherits the pinned mask."""
         if config.drafter_device is None or not config.drafter_device.startswith("cpu"):
             return None
-        _, target_cores = plan_cpu_placement(config.drafter_device)
+        drafter_cores, target_cores = plan_cpu_placement(config.drafter_device)
+        DrafterManager._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
         os.sched_setaffinity(0, target_cores)
         if not config.num_threads:
             torch.set_num_threads(len(target_cores))
-        return target_cores
+        return drafter_cores
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -251,6 +255,15 @@ class DrafterManager:
             self._failed_at = time.monotonic()
         finally:
             self._restarting = False
+
+    @staticmethod
+    def unpin() -> None:
+        """Undo `place_cpu_worker` (the engine is closing; give the process its cores back)."""
+        saved = getattr(DrafterManager, "_unpinned", None)
+        if saved is not None:
+            os.sched_setaffinity(0, saved[0])
+            torch.set_num_threads(saved[1])
+            DrafterManager._unpinned = None
 
     def close(self) -> None:
         for d in (self.drafter, self._replacement):

@@ -66,13 +66,15 @@ class WorkerSpec:
     kv_cache_bytes: int
     block_size: int
     seed: int
+    cores: list[int] | None = None   # CPU: the cores to pin to, planned by the engine before it
+                                     # pinned itself (a child inherits its parent's affinity)
 
 
 def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> None:
     from .drafter import Drafter
 
     if spec.device.startswith("cpu"):
-        cores, _ = plan_cpu_placement(spec.device)
+        cores = spec.cores or plan_cpu_placement(spec.device)[0]
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         device = "cpu"

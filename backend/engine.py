@@ -55,7 +55,7 @@ class Completion:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        DrafterManager.pin_target_process(config)
+        self._drafter_cores = DrafterManager.place_cpu_worker(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
@@ -98,7 +98,8 @@ class Engine:
         if budget is None:  # as many tokens as the target's pool holds
             budget = self.kv.num_blocks * PagedKVCache.bytes_per_block(dcfg, config.block_size, self.dtype)
         return DrafterManager(config, vocab_size=dcfg.vocab_size, kv_cache_bytes=budget,
-                              max_rows=config.max_num_seqs * config.gamma_max, dtype=self.dtype)
+                              max_rows=config.max_num_seqs * config.gamma_max, dtype=self.dtype,
+                              cores=self._drafter_cores)
 
     def _init_planner(self, config: EngineConfig) -> None:
 
@@ -119,6 +120,8 @@ class Engine:
         """Stop the drafter worker and the metrics scraper, if any. The engine is unusable afterwards."""
         if self.drafter is not None:
             self.drafter.close()
+        if self._drafter_cores is not None:
+            DrafterManager.unpin()
         if self.planner is not None and self._triton_signals is not None:
             self._triton_signals.close()
 

@@ -161,6 +161,15 @@ def test_killed_worker_degrades_to_plain_decoding_and_restarts(prompts, ar_outpu
         engine.close()
 
 
+def test_worker_and_target_run_on_different_cores(psd):
+    import os
+    if len(os.sched_getaffinity(psd.drafter.drafter.pid) | os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core only: nothing to separate")
+    worker = os.sched_getaffinity(psd.drafter.drafter.pid)
+    target = os.sched_getaffinity(0)
+    assert worker and target and not (worker & target), (worker, target)
+
+
 def test_sampling_through_the_worker_runs_and_frees_everything(psd, prompts):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
     out = psd.generate(prompts[:6], params)
