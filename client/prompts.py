@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "models" / "prompts.jsonl"
-HELD_OUT_EVERY = 25   # the tiny-model trainer holds out every 25th stdlib file
+HELD_OUT_EVERY = 25   # the tiny-model trainer holds out files with index % 25 == 24
 
 
 def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:
@@ -38,7 +38,7 @@ def make_heldout_prompts(count: int = 256, seed: int = 0, min_lines: int = 3,
     skip = ("test", "tests", "idle_test", "site-packages")
     files = sorted(p for p in stdlib.rglob("*.py")
                    if not any(part in skip for part in p.relative_to(stdlib).parts))
-    held_out = files[::HELD_OUT_EVERY]
+    held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < count:
