@@ -102,12 +102,14 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
     for name, model in (("target", engine.target), ("drafter", drafter)):
         for b in batches:
             for n in ((1, gamma + 1) if name == "target" else (1,)):
-                kv = PagedKVCache.for_model(model.config, 64 << 20, block_size=16,
+                ctx = 128
+                per_seq = (ctx + n) // 16 + 1
+                budget = b * per_seq * PagedKVCache.bytes_per_block(model.config, 16, engine.dtype)
+                kv = PagedKVCache.for_model(model.config, budget, block_size=16,
                                             dtype=engine.dtype, device=engine.config.device)
                 ids = [f"c{i}" for i in range(b)]
-                ctx = 128
                 for s in ids:
-                    kv.ensure_capacity(s, ctx + n)
+                    assert kv.ensure_capacity(s, ctx + n)
                 times = []
                 with torch.inference_mode():
                     for r in range(reps + 1):

@@ -41,7 +41,10 @@ def drafter_weights(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def test_offload_grows_the_pool_and_reload_restores_everything(prompts, ar_outputs):
-    engine, memory = sd_engine_with_memory(kv_blocks=24)     # tight: requests queue for blocks
+    # Tight: about a third of what all requests need at once, so they queue for blocks.
+    tok = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=1 << 20)).tokenizer
+    need = [-(-(len(tok.encode(p)) + GREEDY.max_tokens) // 16) for p in prompts]
+    engine, memory = sd_engine_with_memory(kv_blocks=max(max(need) + 2, sum(need) // 3))
     before = drafter_weights(engine)
     base = engine.kv.num_blocks
     for i, p in enumerate(prompts):
