@@ -82,18 +82,23 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, text: str | bytes | None, **overrides: Any) -> "SamplingParams":
-        raw: Any = {}
-        if text:
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
-            if not isinstance(raw, dict):
-                raise InvalidRequest("sampling_parameters must be a JSON object")
-        return cls.from_dict(raw, **overrides)
+        return cls.from_dict(parse_sampling_json(text), **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+
+def parse_sampling_json(text: str | bytes | None) -> dict[str, Any]:
+    """The `sampling_parameters` input: a JSON object (empty or absent means no settings)."""
+    if not text or not str(text).strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("sampling_parameters must be a JSON object")
+    return raw
 
 
 def _to_int(key: str, v: Any) -> int:

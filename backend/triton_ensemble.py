@@ -51,6 +51,20 @@ def _error(pb: Any, message: str) -> Any:
     return pb.InferenceResponse(output_tensors=[], error=err)
 
 
+def _respond_each(pb: Any, requests, handle, what: str) -> list:
+    """One response per request: `handle(request)`'s tensors, or an error naming the problem."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(pb.InferenceResponse(output_tensors=handle(request)))
+        except (ValueError, UnicodeDecodeError) as e:
+            responses.append(_error(pb, str(e)))
+        except Exception as e:
+            log.error("%s failed:\n%s", what, traceback.format_exc())
+            responses.append(_error(pb, f"internal error: {type(e).__name__}: {e}"))
+    return responses
+
+
 def make_preprocessing_model(pb_utils: Any) -> type:
     pb = pb_utils
 
@@ -59,32 +73,24 @@ def make_preprocessing_model(pb_utils: Any) -> type:
             self.tokenizer, _ = _load_tokenizer(pb, args)
 
         def execute(self, requests):
-            responses = []
-            for request in requests:
-                try:
-                    t = pb.get_input_tensor_by_name(request, "text_input")
-                    if t is None:
-                        raise ValueError("missing required input 'text_input'")
-                    flat = np.asarray(t.as_numpy()).reshape(-1)
-                    if flat.size != 1:
-                        raise ValueError(f"input 'text_input' must hold exactly one string, got {flat.size}")
-                    v = flat[0]
-                    text = v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
-                    if not text:
-                        raise ValueError("input 'text_input' is empty")
-                    ids = self.tokenizer.encode(text)
-                    if not ids:
-                        raise ValueError("input 'text_input' encodes to no tokens")
-                    responses.append(pb.InferenceResponse(output_tensors=[
-                        pb.Tensor("input_ids", np.array(ids, dtype=np.int32)),
-                        pb.Tensor("input_lengths", np.array([len(ids)], dtype=np.int32)),
-                    ]))
-                except (ValueError, UnicodeDecodeError) as e:
-                    responses.append(_error(pb, str(e)))
-                except Exception as e:
-                    log.error("preprocessing failed:\n%s", traceback.format_exc())
-                    responses.append(_error(pb, f"internal error: {type(e).__name__}: {e}"))
-            return responses
+            return _respond_each(pb, requests, self._tokenize, "preprocessing")
+
+        def _tokenize(self, request):
+            t = pb.get_input_tensor_by_name(request, "text_input")
+            if t is None:
+                raise ValueError("missing required input 'text_input'")
+            flat = np.asarray(t.as_numpy()).reshape(-1)
+            if flat.size != 1:
+                raise ValueError(f"input 'text_input' must hold exactly one string, got {flat.size}")
+            v = flat[0]
+            text = v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
+            if not text:
+                raise ValueError("input 'text_input' is empty")
+            ids = self.tokenizer.encode(text)
+            if not ids:
+                raise ValueError("input 'text_input' encodes to no tokens")
+            return [pb.Tensor("input_ids", np.array(ids, dtype=np.int32)),
+                    pb.Tensor("input_lengths", np.array([len(ids)], dtype=np.int32))]
 
     return TritonPythonModel
 
@@ -97,29 +103,21 @@ def make_postprocessing_model(pb_utils: Any) -> type:
             self.tokenizer, _ = _load_tokenizer(pb, args)
 
         def execute(self, requests):
-            responses = []
-            for request in requests:
-                try:
-                    t = pb.get_input_tensor_by_name(request, "output_ids")
-                    if t is None:
-                        raise ValueError("missing required input 'output_ids'")
-                    ids = [int(x) for x in np.asarray(t.as_numpy()).reshape(-1)]
-                    offset = 0
-                    o = pb.get_input_tensor_by_name(request, "output_offset")
-                    if o is not None:
-                        offset = int(np.asarray(o.as_numpy()).reshape(-1)[0])
-                    offset = max(0, min(offset, len(ids)))
-                    full = self.tokenizer.decode(ids)
-                    done = self.tokenizer.decode(ids[:offset]) if offset else ""
-                    text = full[len(done):] if len(full) >= len(done) else ""
-                    responses.append(pb.InferenceResponse(output_tensors=[
-                        pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-                    ]))
-                except ValueError as e:
-                    responses.append(_error(pb, str(e)))
-                except Exception as e:
-                    log.error("postprocessing failed:\n%s", traceback.format_exc())
-                    responses.append(_error(pb, f"internal error: {type(e).__name__}: {e}"))
-            return responses
+            return _respond_each(pb, requests, self._detokenize, "postprocessing")
+
+        def _detokenize(self, request):
+            t = pb.get_input_tensor_by_name(request, "output_ids")
+            if t is None:
+                raise ValueError("missing required input 'output_ids'")
+            ids = [int(x) for x in np.asarray(t.as_numpy()).reshape(-1)]
+            offset = 0
+            o = pb.get_input_tensor_by_name(request, "output_offset")
+            if o is not None:
+                offset = int(np.asarray(o.as_numpy()).reshape(-1)[0])
+            offset = max(0, min(offset, len(ids)))
+            full = self.tokenizer.decode(ids)
+            done = self.tokenizer.decode(ids[:offset]) if offset else ""
+            text = full[len(done):] if len(full) >= len(done) else ""
+            return [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
 
     return TritonPythonModel

@@ -44,7 +44,7 @@ import numpy as np
 from backend.engine_config import ConfigError, EngineConfig
 from backend.engine_loop import EngineLoop, EngineLoopError
 from backend.outputs import RequestOutput
-from backend.sampling_params import InvalidRequest, SamplingParams
+from backend.sampling_params import InvalidRequest, SamplingParams, parse_sampling_json
 
 log = logging.getLogger("nightdraft.triton")
 
@@ -142,16 +142,7 @@ def _sampling_json(pb: Any, request: Any) -> dict[str, Any]:
     t = pb.get_input_tensor_by_name(request, "sampling_parameters")
     if t is None:
         return {}
-    text = _as_str(_scalar(t, "sampling_parameters"), "sampling_parameters")
-    if not text.strip():
-        return {}
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise InvalidRequest("sampling_parameters must be a JSON object")
-    return raw
+    return parse_sampling_json(_as_str(_scalar(t, "sampling_parameters"), "sampling_parameters"))
 
 
 @dataclass
