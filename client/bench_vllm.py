@@ -10,7 +10,8 @@ every vLLM runner that is not running is stopped (SIGSTOP) so its idle polling t
 
 Configurations (gamma = --gammas; with several gammas the names get a -gN suffix):
 
-  nd-ar          nightdraft plain decoding, 2 threads on all cores
+  nd-ar          nightdraft plain decoding, one torch thread per core, on all cores
+  nd-ar-1t       nightdraft plain decoding, one thread on the target's core(s) (the drafter's core idle)
   nd-sd          nightdraft SD, drafter in its worker process on the last core, target on the rest
   nd-sd-inproc   nightdraft SD, drafter in the target's process (vLLM's layout), all cores
   nd-psd         nightdraft batch-parallel SD, same placement as nd-sd
@@ -33,7 +34,6 @@ reference logits at the first differing position say whether it was a near tie.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import select
@@ -56,10 +56,10 @@ RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 # load on a CPU-only host (`operator torchvision::nms does not exist`, `Could not load this
 # library ... _torchaudio.so`), and vLLM imports them when present; it runs text models without them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-ND_CONFIGS = ("nd-ar", "nd-sd", "nd-sd-inproc", "nd-psd", "nd-auto")
+ND_CONFIGS = ("nd-ar", "nd-ar-1t", "nd-sd", "nd-sd-inproc", "nd-psd", "nd-auto")
 VLLM_CONFIGS = ("vllm-ar", "vllm-sd", "vllm-ngram", "vllm-sched")
 # Ratio rows: (nightdraft config, vLLM config) pairs that do the same job.
-PAIRS = (("nd-ar", "vllm-ar"), ("nd-sd", "vllm-sd"), ("nd-sd-inproc", "vllm-sd"),
+PAIRS = (("nd-ar", "vllm-ar"), ("nd-ar-1t", "vllm-ar"), ("nd-sd", "vllm-sd"), ("nd-sd-inproc", "vllm-sd"),
          ("nd-psd", "vllm-sd"), ("nd-auto", "vllm-sched"))
 NEAR_TIE = 1e-3   # reference logit gap (top-1 minus the other system's token) below which we call it a tie
 
@@ -236,8 +236,16 @@ def parse_schedule(text: str) -> list[list[int]]:
     return out
 
 
+def resolved_dtype(args) -> str:
+    """nightdraft's "auto" (float32 on CPU, bfloat16 on CUDA), spelled out for vLLM, whose "auto"
+    would take the checkpoint's own dtype (bfloat16 for the tiny pair)."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if str(getattr(args, "device", "cpu")).startswith("cuda") else "float32"
+
+
 def vllm_specs(args, gammas: list[int], names: list[str], max_num_seqs: int) -> dict[str, dict]:
-    base = dict(model=args.target, tokenizer=args.target, dtype=args.dtype, seed=0, max_model_len=1024,
+    base = dict(model=args.target, tokenizer=args.target, dtype=resolved_dtype(args), seed=0, max_model_len=1024,
                 max_num_seqs=max_num_seqs, enforce_eager=args.vllm_eager, enable_prefix_caching=False)
     specs = {}
     suffix = (lambda g: f"-g{g}") if len(gammas) > 1 else (lambda g: "")
@@ -272,29 +280,13 @@ class NdConfig:
     threads: int
 
 
-@contextlib.contextmanager
-def _deferred_target_pin():
-    """Build an engine without pinning this process first. The engine pins its own process to the
-    target's cores *before* it spawns the drafter worker, so the worker inherits that mask and
-    cannot reach the drafter's core (it lands on the target's core with "cpu", or refuses "cpu:N").
-    Here the pin is applied per run instead (run_nightdraft sets this process's cores), and several
-    engines share one process, so deferring it is what the bench needs anyway."""
-    from backend.drafter_manager import DrafterManager
-    saved = DrafterManager.__dict__["pin_target_process"]
-    DrafterManager.pin_target_process = staticmethod(lambda config: None)
-    try:
-        yield
-    finally:
-        DrafterManager.pin_target_process = saved
-
-
 def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int],
                      max_num_seqs: int) -> tuple[dict[str, NdConfig], dict[str, str]]:
     import torch
     from backend.engine import Engine
     from backend.engine_config import ConfigError, EngineConfig
 
-    common = dict(target=args.target, device=args.device, dtype=args.dtype,
+    common = dict(target=args.target, device=args.device, dtype=resolved_dtype(args),
                   kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=max_num_seqs, seed=0,
                   gamma_max=max(8, *gammas))
     suffix = (lambda g: f"-g{g}") if len(gammas) > 1 else (lambda g: "")
@@ -307,8 +299,7 @@ def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int]
         torch.set_num_threads(len(cores))
         print(f"loading {name} ...", file=sys.stderr, flush=True)
         try:
-            with _deferred_target_pin():
-                engine = Engine(EngineConfig(**common, **cfg_kwargs, num_threads=threads))
+            engine = Engine(EngineConfig(**common, **cfg_kwargs, num_threads=threads))
             out[name] = NdConfig(name, engine, run_cores, threads)
         except ConfigError as e:
             skipped[name] = str(e)
@@ -318,6 +309,8 @@ def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int]
     for name in names:
         if name == "nd-ar":
             build(name, dict(mode="ar", gamma=0), cores, len(cores))
+        elif name == "nd-ar-1t":
+            build(name, dict(mode="ar", gamma=0), rest, len(rest))
         elif name == "nd-auto":
             build(name, dict(mode="auto", drafter=args.drafter, gamma=gammas[0],
                              drafter_device=drafter_core), cores, len(rest))
@@ -548,10 +541,34 @@ def format_tables(rows: list[dict], ratios: list[dict], equality: dict) -> str:
         lines += ["", "greedy fp32 token ids: sequences identical to transformers' generate "
                   "(near ties = reference logit gap < 1e-3 at the first difference)"]
         for key, e in equality.items():
-            lines.append(f"  {key:<28} {e['identical']:>3}/{e['total']:<3} ({100 * e['fraction']:5.1f}%)"
+            if key == "error":
+                lines.append(f"  the check failed: {e}")
+                continue
+            lines.append(f"  {key:<32} {e['identical']:>3}/{e['total']:<3} ({100 * e['fraction']:5.1f}%)"
                          f"  prefix tokens {100 * e['tokens_matching_prefix_fraction']:5.1f}%"
                          f"  near ties {e['near_ties']}/{len(e['divergences'])}")
     return "\n".join(lines)
+
+
+def greedy_equality(args, outputs: dict, levels: list[int], threads: int) -> dict:
+    """Every greedy run against transformers' greedy generate; nightdraft AR against vLLM AR."""
+    import torch
+    print("checking greedy outputs against transformers' generate ...", file=sys.stderr, flush=True)
+    torch.set_num_threads(threads)
+    hf = load_hf(args.target)
+    refs: dict = {}
+    equality: dict = {}
+    for (level, name), (prompts, got) in sorted(outputs.items()):
+        key_p = tuple(map(tuple, prompts))
+        if key_p not in refs:
+            refs[key_p] = transformers_greedy(hf, prompts, args.max_tokens)
+        equality[f"{name}@c{level} vs transformers"] = equality_report(hf, prompts, refs[key_p], got)
+    for level in levels:
+        if (level, "nd-ar") in outputs and (level, "vllm-ar") in outputs:
+            prompts, a = outputs[(level, "nd-ar")]
+            _, b = outputs[(level, "vllm-ar")]
+            equality[f"nd-ar vs vllm-ar@c{level}"] = equality_report(hf, prompts, b, a)
+    return equality
 
 
 def run_vllm_cli(args) -> int:
@@ -663,36 +680,30 @@ def run_vllm_cli(args) -> int:
     rows.sort(key=lambda r: (r["temperature"], r["concurrency"], order.index(r["config"])))
     ratios = ratio_rows(rows, gammas)
 
+    # Raw results first: a failure in the analysis below must not lose the run.
+    partial = {"rows": rows, "ratios": ratios, "skipped": skipped,
+               "greedy_outputs": {f"{name}@c{level}": got for (level, name), (_, got) in outputs.items()}}
+    Path(args.json).write_text(json.dumps(partial))
     equality: dict = {}
-    if outputs:
-        print("checking greedy outputs against transformers' generate ...", file=sys.stderr, flush=True)
-        import torch
-        torch.set_num_threads(len(cores))
-        hf = load_hf(args.target)
-        refs: dict = {}
-        for (level, name), (prompts, got) in sorted(outputs.items()):
-            key_p = tuple(map(tuple, prompts))
-            if key_p not in refs:
-                refs[key_p] = transformers_greedy(hf, prompts, args.max_tokens)
-            equality[f"{name}@c{level} vs transformers"] = equality_report(hf, prompts, refs[key_p], got)
-        for level in levels:
-            if (level, "nd-ar") in outputs and (level, "vllm-ar") in outputs:
-                prompts, a = outputs[(level, "nd-ar")]
-                _, b = outputs[(level, "vllm-ar")]
-                equality[f"nd-ar vs vllm-ar@c{level}"] = equality_report(hf, prompts, b, a)
+    try:
+        equality = greedy_equality(args, outputs, levels, 1)   # one thread: see docs (2 threads collapse under load)
+    except Exception as e:   # report it; the measurements stand
+        equality = {"error": f"{type(e).__name__}: {e}"}
+        print(f"greedy equality check failed: {e}", file=sys.stderr)
 
     import torch
     report = {
         "versions": {"vllm": vllm_info.get("vllm"), "vllm_torch": vllm_info.get("torch"),
                      "nightdraft_torch": torch.__version__, "python": sys.version.split()[0]},
         "target": args.target, "drafter": args.drafter, "gammas": gammas, "max_tokens": args.max_tokens,
-        "dtype": args.dtype, "concurrency": levels, "temperatures": temps, "repeats": args.repeats,
+        "dtype": resolved_dtype(args), "concurrency": levels, "temperatures": temps, "repeats": args.repeats,
         "cores": cores, "vllm_placement": args.vllm_placement,
         "vllm_env": {k: v for k, v in vllm_environ(cores, args.vllm_kv_gib, args.vllm_placement).items()
                      if k.startswith("VLLM_")},
         "vllm_specs": vllm_specs(args, gammas, [n for n in names if n.startswith("vllm-")], max_num_seqs),
         "vllm_startup_s": {n: r.info.get("startup_s") for n, r in runners.items()},
         "skipped": skipped, "rows": rows, "ratios": ratios, "equality": equality,
+        "greedy_outputs": partial["greedy_outputs"],
         "tokenizer_parity": tok_check, "distribution_check": dist_report(dist_samples) if dist_samples else None,
     }
     Path(args.json).write_text(json.dumps(report, indent=1))

@@ -40,6 +40,8 @@ def prompt_ids() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_model():
+    import torch
+    torch.set_num_threads(1)   # two intra-op threads crawl when the 2-core machine is busy
     return bench_vllm.load_hf(str(TARGET))
 
 
@@ -118,7 +120,7 @@ def test_runner_imports_only_stdlib_and_vllm():
 
 def test_vllm_specs_and_schedule():
     import argparse
-    args = argparse.Namespace(target="/t", drafter="/d", dtype="float32", vllm_eager=False,
+    args = argparse.Namespace(target="/t", drafter="/d", dtype="auto", device="cpu", vllm_eager=False,
                               ngram="1-4", schedule="1-4:4,5-16:2,17-1024:0",
                               vllm_draft_sampling="probabilistic")
     specs = bench_vllm.vllm_specs(args, [2, 4], ["vllm-ar", "vllm-sd", "vllm-ngram", "vllm-sched"], 64)
@@ -132,6 +134,8 @@ def test_vllm_specs_and_schedule():
     assert sched["num_speculative_tokens_per_batch_size"] == [[1, 4, 4], [5, 16, 2], [17, 1024, 0]]
     assert sched["num_speculative_tokens"] == 4
     assert all(not s["enable_prefix_caching"] for s in specs.values())
+    # nightdraft's "auto" is float32 on CPU; vLLM's "auto" would take the checkpoint's bfloat16
+    assert all(s["dtype"] == "float32" for s in specs.values())
 
 
 def test_vllm_environ_gives_vllm_all_cores():
@@ -176,3 +180,16 @@ def test_equality_report_finds_first_difference():
     assert d["gap"] == pytest.approx(1e-5, abs=1e-6) and d["other_is_ref_second"]
     assert rep["near_ties"] == 1
     assert rep["tokens_matching_prefix_fraction"] == pytest.approx(4 / 6)
+
+
+def test_histogram_test_separates_equal_from_different():
+    import random
+    rng = random.Random(0)
+    tokens = list(range(20))
+    a = [rng.choice(tokens) for _ in range(2000)]
+    b = [rng.choice(tokens) for _ in range(2000)]
+    skewed = [rng.choice(tokens[:5]) for _ in range(2000)]
+    same, diff = bench_vllm.histogram_test(a, b), bench_vllm.histogram_test(a, skewed)
+    assert same["tv"] < 0.1 and diff["tv"] > 0.5
+    if same["p_value"] is not None:          # scipy present (the test extra has it)
+        assert same["p_value"] > 1e-3 and diff["p_value"] < 1e-10
