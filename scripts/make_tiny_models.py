@@ -31,7 +31,8 @@ import statistics
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 # Never reach for the model hub: every from_pretrained below reads a local directory.
@@ -85,19 +86,13 @@ class Clock:
     def elapsed(self) -> float:
         return time.time() - self.t0
 
+    @contextmanager
     def phase(self, name: str):
-        clock = self
-
-        class _Phase:
-            def __enter__(self):
-                self.start = time.time()
-                log(f"\n=== {name} (t={clock.elapsed():.0f}s) ===")
-
-            def __exit__(self, *exc):
-                clock.phases[name] = round(time.time() - self.start, 1)
-                log(f"=== {name} done in {clock.phases[name]:.1f}s ===")
-
-        return _Phase()
+        start = time.time()
+        log(f"\n=== {name} (t={self.elapsed():.0f}s) ===")
+        yield
+        self.phases[name] = round(time.time() - start, 1)
+        log(f"=== {name} done in {self.phases[name]:.1f}s ===")
 
 
 def sha256_file(path: Path) -> str:
@@ -122,7 +117,7 @@ class Corpus:
         return [t for i, t in enumerate(self.texts) if i not in held]
 
 
-def collect_corpus(max_files: int | None = None) -> Corpus:
+def collect_corpus() -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     rels = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -132,8 +127,6 @@ def collect_corpus(max_files: int | None = None) -> Corpus:
             continue
         rels += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
     rels.sort()  # by relative path: the order (and so the held-out split) is the same everywhere
-    if max_files:
-        rels = rels[:max_files]
     digest, texts, n_bytes = hashlib.sha256(), [], 0
     for rel in rels:
         raw = (root / rel).read_bytes()
@@ -249,7 +242,7 @@ def train_phase(name: str, model, stream: torch.Tensor, steps: int, *, peak_lr: 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     model.train()
-    t_start, ema, losses, step_times = time.time(), None, [], []
+    t_start, ema, losses, step_times, loads = time.time(), None, [], [], []
     for step in range(steps):
         t_step = time.time()
         for group in opt.param_groups:
@@ -278,9 +271,10 @@ def train_phase(name: str, model, stream: torch.Tensor, steps: int, *, peak_lr: 
         if (step + 1) % log_every == 0 or step + 1 == steps:
             spent = time.time() - t_start
             per = spent / (step + 1)
+            loads.append(os.getloadavg()[0])  # other jobs on the machine slow every step down
             log(f"[{name}] step {step + 1:5d}/{steps} loss {value:.3f} (ema {ema:.3f}) "
                 f"lr {opt.param_groups[0]['lr']:.2e}  {per:.2f}s/step  phase {spent:.0f}s "
-                f"eta {per * (steps - step - 1):.0f}s  total {clock.elapsed():.0f}s")
+                f"eta {per * (steps - step - 1):.0f}s  total {clock.elapsed():.0f}s  load {loads[-1]:.1f}")
     model.eval()
     tail = losses[-max(1, min(50, len(losses) // 5)):]
     return {"steps": steps, "peak_lr": peak_lr, "warmup": warmup, "batch": batch, "seq_len": SEQ_LEN,
@@ -288,25 +282,33 @@ def train_phase(name: str, model, stream: torch.Tensor, steps: int, *, peak_lr: 
             # wall seconds per step; the 10th percentile is the speed of an unshared CPU
             "step_s_median": round(float(np.median(step_times)), 3),
             "step_s_p10": round(float(np.percentile(step_times, 10)), 3),
+            "load_avg_mean": round(float(np.mean(loads)), 2),
             "loss": "kl(target||drafter)" if teacher is not None else "cross_entropy"}
 
 
 def save_checkpoint(model, out_dir: Path, tok) -> None:
     """bfloat16 safetensors + config.json (with torch_dtype for transformers-4 era readers, rope_theta
-    at top level too) + the shared tokenizer files."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+    at top level too) + the shared tokenizer files. Written into a sibling staging directory and then
+    swapped in, so a server or benchmark reading out_dir never sees a half-written checkpoint."""
+    stage = out_dir.with_name(out_dir.name + ".new")
+    shutil.rmtree(stage, ignore_errors=True)
     model = model.to(torch.bfloat16)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "model.safetensors").chmod(0o644)  # written 0600 via a temp file; make it world-readable
-    cfg_path = out_dir / "config.json"
+    model.save_pretrained(stage, safe_serialization=True)
+    (stage / "model.safetensors").chmod(0o644)  # written 0600 via a temp file; make it world-readable
+    cfg_path = stage / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["torch_dtype"] = "bfloat16"
     cfg["dtype"] = "bfloat16"
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     assert cfg["eos_token_id"] == tok.token_to_id(EOS) and cfg["bos_token_id"] == tok.token_to_id(EOS)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    write_tokenizer_files(tok, out_dir)
+    write_tokenizer_files(tok, stage)
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    stage.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, dtype=torch.float32):
@@ -429,10 +431,16 @@ def simulate_greedy_sd(target, drafter, prompts: list[list[int]], max_new: int, 
 @torch.no_grad()
 def measure_cost_ratio(target, drafter, batches=(1, 8, 32), context: int = 128, reps: int = 100) -> dict:
     """Decode-like step: one new token per sequence on top of a `context`-token KV cache
-    (transformers DynamicCache), float32, the script's thread count. The cache is cropped back after
-    each call so every timed call is identical; target and drafter calls alternate. The headline is
-    the best (minimum) of `reps` calls: on a CPU shared with other jobs, an OpenMP team that loses a
-    core stalls a call by 10-100x, so medians there measure the neighbours, not the models."""
+    (transformers DynamicCache), float32. The cache is cropped back after each call so every timed
+    call is identical; target and drafter calls alternate.
+
+    Two clocks, because the build machine is usually shared:
+      wall  best (minimum) wall time of `reps` calls at the script's thread count. Best, not median:
+            an OpenMP team that loses a core to another job stalls a call 10-100x, so medians on a
+            busy machine measure the neighbours. Still inflated if the machine never goes quiet.
+      cpu1  median CPU time of the calling thread with torch limited to 1 thread: the work itself,
+            insensitive to other jobs (time descheduled is not counted, and one thread never waits
+            on a descheduled sibling)."""
     from transformers import DynamicCache
 
     def prepared(model, b):
@@ -443,22 +451,38 @@ def measure_cost_ratio(target, drafter, batches=(1, 8, 32), context: int = 128, 
         pos = torch.full((b, 1), context)
         return lambda: (model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos), cache.crop(-1))
 
-    out = {}
-    for b in batches:
-        step_t, step_d = prepared(target, b), prepared(drafter, b)
-        tt, td = [], []
-        for r in range(reps + 5):
-            for fn, ts in ((step_t, tt), (step_d, td)):
-                t0 = time.perf_counter()
+    def timed(fns, clock, n):
+        times = [[] for _ in fns]
+        for r in range(n + 5):
+            for fn, ts in zip(fns, times):
+                t0 = clock()
                 fn()
-                ts.append(time.perf_counter() - t0)
-        tt, td = tt[5:], td[5:]
-        out[f"batch_{b}"] = {"target_ms": round(min(tt) * 1e3, 3), "drafter_ms": round(min(td) * 1e3, 3),
-                             "ratio": round(min(td) / min(tt), 3),
-                             "target_ms_median": round(statistics.median(tt) * 1e3, 3),
-                             "drafter_ms_median": round(statistics.median(td) * 1e3, 3),
-                             "ratio_median": round(statistics.median(td) / statistics.median(tt), 3)}
+                ts.append(clock() - t0)
+        return [ts[5:] for ts in times]
+
+    threads = torch.get_num_threads()
+    out = {"load_avg_1min_before": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
+    for b in batches:
+        fns = (prepared(target, b), prepared(drafter, b))
+        tt, td = timed(fns, time.perf_counter, reps)
+        torch.set_num_threads(1)
+        ct, cd = timed(fns, time.thread_time, max(10, reps // 3))
+        torch.set_num_threads(threads)
+        out[f"batch_{b}"] = {
+            "target_ms": round(min(tt) * 1e3, 3), "drafter_ms": round(min(td) * 1e3, 3),
+            "ratio": round(min(td) / min(tt), 3),
+            "target_ms_median": round(statistics.median(tt) * 1e3, 3),
+            "drafter_ms_median": round(statistics.median(td) * 1e3, 3),
+            "target_cpu1_ms": round(statistics.median(ct) * 1e3, 3),
+            "drafter_cpu1_ms": round(statistics.median(cd) * 1e3, 3),
+            "ratio_cpu1": round(statistics.median(cd) / statistics.median(ct), 3)}
+    out["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     return out
+
+
+def batch_items(cost: dict) -> list[tuple[str, dict]]:
+    """The per-batch entries of measure_cost_ratio's result."""
+    return [(k, v) for k, v in cost.items() if k.startswith("batch_")]
 
 
 def flops_per_token(model) -> int:
@@ -491,7 +515,7 @@ def generate(model, prompt: list[int], max_new: int, eos_id: int | None, tempera
     return out
 
 
-def code_prompts(corpus: Corpus, tok, count: int, context_chars: int = 500) -> list[tuple[str, str]]:
+def code_prompts(corpus: Corpus, count: int, context_chars: int = 500) -> list[tuple[str, str]]:
     """Prompts from held-out code files: ~500 characters of context ending with a `def ...:` line,
     taken from the second half of the file. Files spread over the held-out list."""
     found = []
@@ -540,17 +564,30 @@ def write_readme(out: Path, m: dict) -> None:
         rows.append(f"| {label} | {r['positions']} | {r['greedy_acceptance']:.3f} | "
                     f"{r['sampling_acceptance_t1']:.3f} | {expected_tokens_per_call(r['greedy_acceptance']):.2f} | "
                     f"{r['target_ce']:.3f} | {r['drafter_ce']:.3f} |")
-    cost_rows = [f"| {b.split('_')[1]} | {v['target_ms']:.2f} | {v['drafter_ms']:.2f} | {v['ratio']:.3f} |"
-                 for b, v in cost.items()]
+    cost_rows = [f"| {b.split('_')[1]} | {v['target_cpu1_ms']:.2f} | {v['drafter_cpu1_ms']:.2f} | "
+                 f"**{v['ratio_cpu1']:.3f}** | {v['target_ms']:.2f} | {v['drafter_ms']:.2f} | {v['ratio']:.3f} |"
+                 for b, v in batch_items(cost)]
+    load = max(cost.get("load_avg_1min_before", 0.0), cost.get("load_avg_1min_after", 0.0))
+    cpus = cost.get("cpus") or os.cpu_count()
+    if "load_avg_1min_before" not in cost:
+        load_note = ""
+    elif load > 0.75 * cpus:
+        load_note = (f" During this measurement the machine was busy (1-minute load average up to {load:.1f} "
+                     f"on {cpus} CPUs), so the wall-clock columns are unreliable; the CPU-time columns are not.")
+    else:
+        load_note = f" 1-minute load average during the measurement: up to {load:.1f} on {cpus} CPUs."
     sim = f["greedy_sd_simulation"]
     wt = m["wall_time_s"]
-    wall = f"{wt['total'] / 60:.0f} minutes"
+    wall = f"{wt['total'] / 60:.1f} minutes"
     phases = ", ".join(f"{k} {v / 60:.1f} min" for k, v in wt.items() if k != "total")
     tr = m["training"]
     if all("step_s_p10" in tr[k] for k in ("target", "drafter_data", "drafter_distill")):
         est = sum(tr[k]["steps"] * tr[k]["step_s_p10"] for k in ("target", "drafter_data", "drafter_distill"))
         speed = (f" Training steps at their fastest-decile speed (an unshared CPU) add up to "
-                 f"{est / 60:.0f} minutes.")
+                 f"{est / 60:.1f} minutes.")
+        if "load_avg_mean" in tr["target"]:
+            speed += (f" Mean 1-minute load average while the target trained: {tr['target']['load_avg_mean']:.1f} "
+                      f"on {os.cpu_count()} CPUs.")
     else:
         speed = ""
     ba = tr["drafter_distill"].get("heldout_subset_before_after")
@@ -610,12 +647,13 @@ greedy decoding: {sim['outputs_identical_to_target_greedy']}.
 
 ## Drafter / target cost
 
-One decode step (one new token per sequence on a {f['cost_context_tokens']}-token KV cache, transformers
-`DynamicCache`, float32, {m['build']['threads']} threads, best of repeated alternating calls; medians are in
-`manifest.json`):
+One decode step: one new token per sequence on a {f['cost_context_tokens']}-token KV cache, transformers
+`DynamicCache`, float32. "CPU, 1 thread": median CPU time of the calling thread with torch on one
+thread, which other jobs on the machine do not disturb. "Wall": best of repeated alternating calls at
+{m['build']['threads']} threads (medians are in `manifest.json`).{load_note}
 
-| batch | target ms | drafter ms | drafter / target |
-|---|---|---|---|
+| batch | target ms (CPU, 1 thread) | drafter ms (CPU, 1 thread) | ratio (CPU, 1 thread) | target ms (wall) | drafter ms (wall) | ratio (wall) |
+|---|---|---|---|---|---|---|
 {chr(10).join(cost_rows)}
 
 By arithmetic (2 x weights touched per token, attention excluded) the drafter costs
@@ -728,13 +766,14 @@ def evaluate_pair(args, corpus: Corpus, tok, heldout_docs, seeds: dict, target, 
     figures["cost_context_tokens"] = 128
     figures["cost_ratio_decode"] = cost = measure_cost_ratio(target, drafter, reps=10 if args.quick else 100)
     figures["flops_ratio"] = round(flops_per_token(drafter) / flops_per_token(target), 4)
-    for b, v in cost.items():
-        log(f"  cost {b}: target {v['target_ms']:.2f} ms, drafter {v['drafter_ms']:.2f} ms, ratio {v['ratio']:.3f} "
-            f"(medians {v['target_ms_median']:.2f} / {v['drafter_ms_median']:.2f} ms)")
+    for b, v in batch_items(cost):
+        log(f"  cost {b}: wall best target {v['target_ms']:.2f} ms, drafter {v['drafter_ms']:.2f} ms, "
+            f"ratio {v['ratio']:.3f} (medians {v['target_ms_median']:.2f} / {v['drafter_ms_median']:.2f} ms); "
+            f"1-thread CPU time {v['target_cpu1_ms']:.2f} / {v['drafter_cpu1_ms']:.2f} ms, ratio {v['ratio_cpu1']:.3f}")
     log(f"  per-token FLOPs ratio (weights only): {figures['flops_ratio']:.3f}")
 
     samples = []
-    for k, (rel, prompt_text) in enumerate(code_prompts(corpus, tok, 3)):
+    for k, (rel, prompt_text) in enumerate(code_prompts(corpus, 3)):
         ids = tok.encode(prompt_text).ids
         n_new = 24 if args.quick else 96
         g = tok.decode(generate(target, ids, n_new, eos_id))
@@ -760,7 +799,10 @@ def main(argv=None) -> int:
     target_dir, drafter_dir = out / "tiny-target", out / "tiny-drafter"
     # Fixed thread counts: results (and float summation order) depend on them.
     torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process (main() called twice)
+        pass
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' pool, read at first use
     seeds = {"target_init": args.seed, "target_data": args.seed + 1, "drafter_init": args.seed + 2,
              "drafter_data": args.seed + 3, "distill_data": args.seed + 4, "samples": args.seed + 5}
@@ -851,7 +893,9 @@ def main(argv=None) -> int:
             "greedy_sd_simulation": "greedy speculative decoding with KV caches on held-out prompts; "
                                     "tokens produced / target forward calls",
             "cost_ratio_decode": "drafter/target time of one decode step (1 token/seq on a 128-token "
-                                 "DynamicCache), float32, best of N calls (medians alongside)",
+                                 "DynamicCache), float32: ratio = best wall time of N calls at the build's "
+                                 "thread count (medians alongside); ratio_cpu1 = median thread CPU time "
+                                 "with torch on 1 thread",
             "flops_ratio": "drafter/target 2*(matrix weights touched per token), attention excluded",
         },
     }
@@ -875,8 +919,9 @@ def main(argv=None) -> int:
         f"drafter {manifest['models']['tiny-drafter']['params']:,} params; greedy acc {t['greedy_acceptance']:.3f} "
         f"(loop-free {tf['loop_free']['greedy_acceptance']:.3f}), sampling acc {t['sampling_acceptance_t1']:.3f}, "
         f"tokens/call@{GAMMA} {expected_tokens_per_call(t['greedy_acceptance']):.2f} (simulated "
-        f"{sim['tokens_per_target_call']:.2f}), cost ratio "
-        + ", ".join(f"{k.split('_')[1]}: {v['ratio']:.3f}" for k, v in cost.items()))
+        f"{sim['tokens_per_target_call']:.2f}), cost ratio (1-thread CPU time) "
+        + ", ".join(f"batch {k.split('_')[1]}: {v['ratio_cpu1']:.3f}" for k, v in batch_items(cost))
+        + " (best wall time) " + ", ".join(f"{k.split('_')[1]}: {v['ratio']:.3f}" for k, v in batch_items(cost)))
     return 0
 
 
