@@ -8,6 +8,7 @@ sequence) with one ragged forward before drafting.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -18,14 +19,6 @@ from .loader import load_model
 from .model import CausalLM
 from .sampler import make_generator, processed_probs
 from .sampling_params import SamplingParams
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass
@@ -126,7 +119,7 @@ class Drafter:
         if not self.offloaded:
             return
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, p in self.model.named_parameters():
                 p.data = self._host_weights[name].to(self.device, non_blocking=stream is not None)
         if stream is not None:

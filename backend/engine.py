@@ -113,7 +113,6 @@ class Engine:
             self.memory = ElasticMemory(self.kv, self.drafter, self.scheduler,
                                         PagedKVCache.bytes_per_block(mc, config.block_size, self.dtype),
                                         weights)
-        self._decision = None
         self._spec_off_since_step: int | None = None   # when the drafter last stopped drafting
 
     def close(self) -> None:
@@ -191,7 +190,7 @@ class Engine:
         if self.memory is not None:
             s.offloads, s.reloads = self.memory.offloads, self.memory.reloads
         if self.planner is not None:
-            s.planner_switches = self.planner.stats().get("switches", 0)
+            s.planner_switches = self.planner.bandit.switches   # stats() builds a report; too heavy here
         c = self.sub_batches.counters
         s.psd_steps, s.psd_fallback_steps = c.steps, c.fallback_steps
         s.psd_unbalanced_steps, s.psd_overlapped_steps = c.unbalanced_steps, c.overlapped_steps
@@ -256,7 +255,6 @@ class Engine:
         if self._triton_signals is not None:
             signals = self._triton_signals.merge(signals)
         decision = self.planner.decide(signals)
-        self._decision = decision
         if decision.gamma > 0:
             if self.drafter.offloaded and self.memory is not None:
                 self.memory.start_reload()          # decode plainly until the weights are back
