@@ -95,6 +95,13 @@ class DrafterManager:
             return "reloading"
         return "offloaded" if self.offloaded else "on_device"
 
+    def device_bytes(self) -> int:
+        """Bytes the drafter holds on its device now (weights + KV pool); 0 when offloaded."""
+        d = self.drafter
+        if d is None or self.offloaded:
+            return 0
+        return d.on_device_bytes if isinstance(d, RemoteDrafter) else d.device_bytes()
+
     @property
     def colocated(self) -> bool:
         """Does the drafter share the target's memory? Then offloading it can grow the target's

@@ -83,7 +83,8 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
     dtype = getattr(torch, spec.dtype)
     drafter = Drafter.load(spec.path, device=device, dtype=dtype, kv_cache_bytes=spec.kv_cache_bytes,
                            block_size=spec.block_size, seed=spec.seed)
-    conn.send(("ready", {"pid": os.getpid(), "kv_blocks": drafter.kv.num_blocks}))
+    conn.send(("ready", {"pid": os.getpid(), "kv_blocks": drafter.kv.num_blocks,
+                         "device_bytes": drafter.device_bytes()}))
     capacity = probs_buffer.shape[0] if probs_buffer is not None else 0
     while True:
         try:
@@ -189,6 +190,7 @@ class RemoteDrafter:
         if reply[0] != "ready":
             raise DrafterFailed(f"drafter worker did not start: {reply!r}")
         self.pid = reply[1]["pid"]
+        self.on_device_bytes = int(reply[1]["device_bytes"])   # weights + KV pool, when loaded
 
     # -- the Drafter interface -----------------------------------------------------------------
 

@@ -226,7 +226,8 @@ class Engine:
         in_flight = self._start_drafting(to_draft) if psd else None
 
         t1 = time.perf_counter()
-        logits, rows = self._target_forward(batch, proposals)
+        logits, rows = self._target_forward(batch, proposals, step)
+        step.t_forward_s = time.perf_counter() - t1
         outputs += self._commit_all(batch, proposals, logits, rows, step)
         step.t_verify_s = time.perf_counter() - t1
 
@@ -247,11 +248,13 @@ class Engine:
     def _plan(self) -> None:
         now = time.perf_counter()
         lag = sum(len(s) - s.drafter_synced for s in self.scheduler.running)
-        signals = self._engine_signals.snapshot(batch_size=len(self.scheduler.running),
-                                                waiting=len(self.scheduler.waiting),
-                                                kv_usage=self.kv.usage(), now=now,
-                                                drafter_lag_tokens=lag,
-                                                drafter_offloaded=self.drafter.offloaded)
+        mem = self.memory
+        signals = self._engine_signals.snapshot(
+            batch_size=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage(), now=now, drafter_lag_tokens=lag,
+            drafter_offloaded=self.drafter.offloaded, batch_limit=self.config.max_num_seqs,
+            kv_growth_if_offloaded=mem.growth_if_offloaded() if mem is not None else None,
+            kv_usage_at_base=mem.usage_at_base() if mem is not None else None)
         if self._triton_signals is not None:
             signals = self._triton_signals.merge(signals)
         decision = self.planner.decide(signals)
@@ -282,7 +285,9 @@ class Engine:
         ran = Decision(step.mode, self.gamma) if step.drafted else Decision("ar", 0)
         self.planner.observe(ran, step_wall_s=step.t_step_s,
                              tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
-                             drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size)
+                             drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
+                             prefill_tokens=step.num_prefill_tokens,
+                             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s)
 
     def _psd_active(self) -> bool:
         return (self.active_mode == "psd" and self.gamma > 0 and self.drafter is not None
@@ -356,7 +361,8 @@ class Engine:
             if proposal.tokens:
                 self.sub_batches.store(seq.request_id, length, proposal)
 
-    def _target_forward(self, batch: list[ScheduledSeq], proposals: dict[int, Proposal]):
+    def _target_forward(self, batch: list[ScheduledSeq], proposals: dict[int, Proposal],
+                        step: StepStats):
         """One forward over every scheduled sequence; logits only where tokens are decided."""
         input_ids: list[int] = []
         num_new: list[int] = []
@@ -380,6 +386,9 @@ class Engine:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         logits = self.target(ids, meta, self.kv, idx)
+        if logits.is_cuda:       # the forward is asynchronous there; time it, not its launch
+            torch.cuda.current_stream(self.device).synchronize()
+        step.num_forward_tokens = len(input_ids)
         return logits, rows
 
     def _commit_all(self, batch, proposals, logits, rows, step: StepStats) -> list[RequestOutput]:

@@ -49,13 +49,21 @@ class ElasticMemory:
 
     def budget(self) -> dict[str, int]:
         """Bytes on the target's device, by owner."""
-        drafter_bytes = 0
-        d = self.drafter.drafter
-        if self.drafter.colocated and d is not None and hasattr(d, "device_bytes"):
-            drafter_bytes = d.device_bytes()
         return {"target_weights": self.target_weight_bytes,
                 "target_kv": self.kv.num_blocks * self.block_bytes,
-                "drafter": drafter_bytes}
+                "drafter": self.drafter.device_bytes() if self.drafter.colocated else 0}
+
+    def growth_if_offloaded(self) -> float | None:
+        """The target pool's size after an offload now, over its size now (1.0 when the drafter
+        has a device of its own, or is already off); None while the drafter cannot offload."""
+        if not self.drafter.available:
+            return None
+        extra = self.drafter.device_bytes() // self.block_bytes if self.drafter.colocated else 0
+        return (self.kv.num_blocks + extra) / max(self.kv.num_blocks, 1)
+
+    def usage_at_base(self) -> float:
+        """Used blocks over the pool's drafter-on size: above 1, a reload would have to preempt."""
+        return self.kv.num_used_blocks / max(self.base_blocks, 1)
 
     def offload(self) -> None:
         if not self.drafter.available:

@@ -30,12 +30,14 @@ class StepStats:
     gamma: int = 0
     batch_size: int = 0
     num_prefill_tokens: int = 0
+    num_forward_tokens: int = 0       # tokens fed to the target's forward (prefill + decode + drafts)
     tokens_committed: int = 0
     drafted: int = 0
     accepted: int = 0
     target_calls: int = 0
     t_draft_s: float = 0.0
     t_verify_s: float = 0.0
+    t_forward_s: float = 0.0          # the target's forward alone (inside t_verify_s)
     t_step_s: float = 0.0
 
     @property

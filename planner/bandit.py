@@ -40,7 +40,10 @@ The rule, per context bin (every statistic below is kept separately for each bin
 
 ``select(context)`` is called once per step and returns the arm to run; ``update(context, arm,
 loss)`` reports the step's loss for the arm actually run. Both are cheap: a decision (a few tens
-of microseconds) is made only when a block ends.
+of microseconds) is made only when a block ends. ``select(context, allowed=...)`` restricts the
+choice to the arms the caller can run now (the planner: only plain decoding while the drafter's
+memory is lent to the KV pool); a held block of another arm ends, and ``interrupt()`` ends every
+held block, so that the first unrestricted step decides afresh.
 """
 from __future__ import annotations
 
@@ -201,14 +204,17 @@ class ContextualBandit:
         L = math.ceil((self.block_growth - 1.0) * float(b.n[i]))
         return int(min(max(L, self.initial_block), self.max_block))
 
-    def _decide(self, context: Context, b: _Bin) -> int:
+    def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None) -> int:
         means, cnt, sigma, known = self._estimates(context, b)
-        untried = [i for i in range(len(self.arms)) if not known[i]]
+        candidates = range(len(self.arms)) if allowed is None else sorted(allowed)
+        untried = [i for i in candidates if not known[i]]
         if untried:
             return self._rng.choice(untried)
         total = float(np.sum(cnt))
         bonus = self.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
         index = means - bonus
+        if allowed is not None:
+            index[[i for i in range(len(self.arms)) if i not in allowed]] = np.inf
         cur = self._index.get(self.current) if self.current is not None else None
         if cur is not None and self.hysteresis > 0 and math.isfinite(means[cur]):
             index[cur] -= self.hysteresis * abs(means[cur])
@@ -221,15 +227,22 @@ class ContextualBandit:
                     if c > 0:
                         index[i] += c / horizon
         best = float(np.min(index))
-        ties = np.flatnonzero(index <= best + 1e-15 * max(abs(best), 1e-300))
+        ties = [i for i in np.flatnonzero(index <= best + 1e-15 * max(abs(best), 1e-300))
+                if allowed is None or i in allowed]
         if cur is not None and cur in ties:
             return cur
         return int(ties[0])
 
     # ------------------------------------------------------------------ API
 
-    def select(self, context: Context) -> Arm:
-        """The arm to run for this step (part of the block held for this context)."""
+    def select(self, context: Context, allowed: Sequence[Arm] | None = None) -> Arm:
+        """The arm to run for this step (part of the block held for this context), among
+        `allowed` when given."""
+        allow = None
+        if allowed is not None:
+            allow = frozenset(self._index[a] for a in allowed)
+            if not allow:
+                raise ValueError("select() needs at least one allowed arm")
         self.step += 1
         b = self._bin(context)
         entering = not self._has_last or context != self._last_ctx
@@ -248,15 +261,18 @@ class ContextualBandit:
         b.last_seen = self.step
         cur = self._index.get(self.current) if self.current is not None else None
 
+        if allow is not None and b.block_arm is not None and b.block_arm not in allow:
+            b.block_left = 0
         if b.block_left > 0 and b.block_arm is not None and (not entering or b.block_arm == cur):
             b.block_left -= 1
             return self._play(b.block_arm)
 
-        i = self._decide(context, b)
+        i = self._decide(context, b, allow)
         if i == b.block_arm and b.block_left > 0:      # the paused block wins again: resume it
             b.block_left -= 1
             return self._play(i)
-        if cur is not None and i != cur and self.step - self._last_switch_step < self.min_hold:
+        if (cur is not None and i != cur and (allow is None or cur in allow)
+                and self.step - self._last_switch_step < self.min_hold):
             b.block_left = 0                            # too soon to switch again; decide next step
             return self._play(cur)
         L = self._block_len(b, i)
@@ -264,6 +280,11 @@ class ContextualBandit:
         b.blocks += 1
         b.chosen[i] += 1
         return self._play(i)
+
+    def interrupt(self) -> None:
+        """End every held block: the next select() of each bin decides afresh."""
+        for b in self._bins.values():
+            b.block_left = 0
 
     def _play(self, i: int) -> Arm:
         arm = self.arms[i]

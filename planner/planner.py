@@ -31,6 +31,13 @@ the default: it is subtracted, so the arm's loss is its steady-state cost and th
 charged once, as the switching cost); the weight reload runs in the background and is never
 subtracted. ``batch_size`` in ``observe`` is the number of sequences the step advanced (for PSD the
 verified sub-batch); the bin and the loss rescaling use the running batch size of ``decide``.
+
+Elastic memory (:mod:`planner.offload_policy`): under sustained memory pressure the planner asks
+for the drafter to be offloaded, when its bandit has settled on plain decoding or when plain
+decoding at the batch the grown KV pool would admit is predicted to beat the best speculative
+arm at the batch that fits now (:meth:`Planner.offload_gain`, from the bandit's own
+measurements); while the drafter is offloaded and the load would not fit the drafter-on pool,
+only plain decoding is allowed.
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ from typing import Callable, Hashable
 
 from .bandit import ContextualBandit
 from .cost_model import CostProfile, expected_tokens_per_call, predict
+from .offload_policy import OffloadPolicy
+from .step_costs import ForwardCost
 from .signals import LoadSignals
 
 MODES = ("ar", "sd", "psd")
@@ -101,6 +110,8 @@ class Planner:
                  max_block: int = 256, discount: float = 0.9995, prior_weight: float = 2.0,
                  offload_after_steps: int = 50, offload_after_s: float = 1.0,
                  kv_pressure: float = 0.9, gpu_memory_pressure: float = 0.95,
+                 offload_gain: float = 1.05, reload_after_s: float = 1.0,
+                 gain_check_every: int = 8, gain_min_obs: float = 3.0,
                  rebuild_s_per_token: float | None = None, reload_s: float | None = None,
                  reload_weight: float = 1.0, lag_cap_steps: int = 256,
                  hysteresis: float = 0.03, wall_includes_rebuild: bool = True,
@@ -131,8 +142,13 @@ class Planner:
         self.alpha_prior = float(alpha_prior)
         self.offload_after_steps = int(offload_after_steps)
         self.offload_after_s = float(offload_after_s)
-        self.kv_pressure = float(kv_pressure)
-        self.gpu_memory_pressure = float(gpu_memory_pressure)
+        self.offload_policy = OffloadPolicy(
+            offload_after_steps=offload_after_steps, offload_after_s=offload_after_s,
+            kv_pressure=kv_pressure, gpu_memory_pressure=gpu_memory_pressure,
+            offload_gain=offload_gain, reload_after_s=reload_after_s)
+        self.gain_check_every = max(int(gain_check_every), 1)
+        self.forward_cost = ForwardCost()
+        self.gain_min_obs = float(gain_min_obs)
         self.reload_weight = float(reload_weight)
         self.wall_includes_rebuild = bool(wall_includes_rebuild)
         self.cost_ewma = float(cost_ewma)
@@ -194,6 +210,9 @@ class Planner:
         self.drafter_turn_ons = 0
         self.offload_requests = 0
         self._wanted_offload = False
+        self._offload_for_kv = False     # the memory-aware rule wants the drafter's bytes as KV
+        self._holding_ar = False         # offloaded, and the load does not fit the base pool
+        self.ar_hold_steps = 0
         self._timeline: list[tuple] = []
         self._timeline_stride = 1
         self._last_tl_step = -10 ** 9
@@ -333,7 +352,7 @@ class Planner:
             self._offloaded = bool(signals.drafter_offloaded)
         if signals.drafter_lag_tokens is not None:
             self._engine_lag = int(signals.drafter_lag_tokens)
-        d = self._decisions[self.bandit.select(ctx)]
+        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(signals, now))]
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             if prev is not None:
@@ -350,6 +369,66 @@ class Planner:
         self._current = d
         return d
 
+    def _restriction(self, s: LoadSignals, now: float) -> tuple | None:
+        """The arms allowed this step: None (all), or plain decoding only while the drafter's
+        memory serves, or is about to serve, as KV cache."""
+        pol = self.offload_policy
+        pol.update(s, now)
+        ar_only = None
+        if AR.arm in self._decisions:
+            if self._offloaded:
+                self._offload_for_kv = False
+                hold = not pol.may_reload(now)
+            else:
+                if not pol.sustained(now):
+                    self._offload_for_kv = False
+                elif (not self._offload_for_kv and s.kv_growth_if_offloaded is not None
+                      and self.steps % self.gain_check_every == 0):
+                    self._offload_for_kv = pol.gain_pays(self.offload_gain(s))
+                hold = self._offload_for_kv
+            if hold:
+                ar_only = (AR.arm,)
+                self.ar_hold_steps += 1
+            elif self._holding_ar:
+                self.bandit.interrupt()      # the hold ends: decide afresh, not by an old AR block
+            self._holding_ar = hold
+        return ar_only
+
+    def offload_gain(self, s: LoadSignals) -> float | None:
+        """Predicted per-token speed-up of plain decoding with the drafter offloaded (at the batch
+        the grown pool would admit) over the best speculative arm now (at the batch that fits):
+        > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
+        arms' means in this bin, AR's taken to the bigger batch by the target forward's cost
+        line (:class:`~planner.step_costs.ForwardCost`; until it is known, AR's mean in the bin
+        of the bigger batch, or this bin's rescaled like the losses are). None when the engine
+        cannot grow the pool or too little is measured yet."""
+        g = s.kv_growth_if_offloaded
+        b = max(int(s.batch_size), 1)
+        if g is None or g <= 1.0 or s.waiting <= 0:
+            return None                   # nobody would be admitted by a bigger pool
+        b2 = min(b * g, b + s.waiting)
+        if s.batch_limit:
+            b2 = min(b2, float(s.batch_limit))
+        if b2 < b + 1:
+            return None
+        ctx = self._context(s)
+        spec = [m for a, (m, n) in self.bandit.means(ctx).items()
+                if a[0] != "ar" and n >= self.gain_min_obs]
+        if not spec:
+            return None
+        spec_now = min(spec) / self._norm(ctx, b)
+        b2i = int(round(b2))
+        ar_here = self.bandit.means(ctx).get(AR.arm)
+        ratio = self.forward_cost.per_token_ratio(b, b2)
+        if ratio is not None and ar_here is not None and ar_here[1] >= self.gain_min_obs:
+            return spec_now / (ar_here[0] / self._norm(ctx, b) * ratio)
+        ctx2 = self._context(LoadSignals(batch_size=b2i, waiting=s.waiting))
+        for c in (ctx2, ctx):
+            m = self.bandit.means(c).get(AR.arm)
+            if m is not None and m[1] >= self.gain_min_obs:
+                return spec_now / (m[0] / self._norm(c, b2i))
+        return None
+
     def _record(self, now: float, d: Decision, batch: int) -> None:
         self._timeline.append((round(now - (self._t0 or now), 6), self.steps, d.mode, d.gamma, int(batch)))
         self._last_tl_step = self.steps
@@ -359,11 +438,15 @@ class Planner:
 
     def observe(self, decision: Decision, *, step_wall_s: float, tokens_committed: int,
                 drafter_rebuild_s: float = 0.0, drafter_reload_s: float = 0.0,
-                batch_size: int) -> None:
+                batch_size: int, prefill_tokens: int = 0, forward_tokens: int = 0,
+                forward_s: float = 0.0) -> None:
         """Feed back one step: the decision the engine actually ran (not the one asked for, when
         e.g. the drafter was still reloading), its wall time, the tokens it committed over all
         sequences, the sequences it advanced, and the drafter's catch-up / reload times when
-        speculation resumed after a gamma = 0 period."""
+        speculation resumed after a gamma = 0 period. With ``prefill_tokens`` (prompt tokens fed
+        this step) and the target forward's size and time (``forward_tokens``, ``forward_s``),
+        the prefill's share of the wall time is estimated (:mod:`planner.step_costs`) and not
+        charged to the arm."""
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
             ctx = self._context(LoadSignals(batch_size=batch_size))
@@ -371,8 +454,11 @@ class Planner:
         tps = self._tokens_per_step.get(ctx)
         self._tokens_per_step[ctx] = _ewma(tps, float(tokens), 0.1)
         wall = float(step_wall_s)
+        self.forward_cost.observe(forward_tokens, forward_s)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
+        if prefill_tokens > 0:
+            wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
         if wall > 0 and math.isfinite(wall) and decision.arm in self._decisions:
             running = self._batch if self._ctx is not None else batch_size
             self.bandit.update(ctx, decision.arm, wall / tokens * self._norm(ctx, running))
@@ -404,23 +490,22 @@ class Planner:
                 self._wanted_offload = False
 
     def memory_pressure(self, s: LoadSignals) -> bool:
-        if s.waiting > 0 or s.kv_usage >= self.kv_pressure:
-            return True
-        frac = s.gpu_memory_fraction
-        return frac is not None and frac >= self.gpu_memory_pressure
+        return self.offload_policy.memory_pressure(s)
 
     def wants_offload(self, signals: LoadSignals) -> bool:
-        """True when gamma = 0 has run for at least ``offload_after_steps`` steps and
-        ``offload_after_s`` seconds and memory is under pressure: the engine may then move the
-        drafter's weights to host memory (the planner then counts a reload into the cost of
-        turning speculation back on)."""
+        """True when plain decoding runs and either it has run for at least
+        ``offload_after_steps`` steps and ``offload_after_s`` seconds with memory under pressure
+        now, or the memory-aware rule asked for the offload (sustained pressure, and the bigger
+        KV pool predicted to pay): the engine may then move the drafter's weights to host memory
+        (the planner then counts a reload into the cost of turning speculation back on)."""
         if self._current is None or self._current.speculative or self._ar_since is None:
             return False
         now = signals.now if signals.now is not None else self._clock()
         step0, t0 = self._ar_since
         sustained = (self.steps - step0 + 1 >= self.offload_after_steps
                      and now - t0 >= self.offload_after_s)
-        want = sustained and self.memory_pressure(signals)
+        want = (sustained and self.memory_pressure(signals)) or (
+            self._offload_for_kv and not self._offloaded)
         if want and not self._wanted_offload:
             self.offload_requests += 1
         if want:
@@ -465,6 +550,9 @@ class Planner:
             "mode_switches": self.mode_switches,
             "drafter_turn_ons": self.drafter_turn_ons,
             "offload_requests": self.offload_requests,
+            "ar_hold_steps": self.ar_hold_steps,
+            "memory": {"pressure_level": self.offload_policy.level,
+                       "last_offload_gain": self.offload_policy.last_gain},
             "shifts": b.shifts,
             "stale_resets": b.stale_resets,
             "current": str(self._current) if self._current is not None else None,
@@ -480,6 +568,7 @@ class Planner:
                 "drafter_offloaded": self._offloaded,
             },
             "alpha_estimate": self.alpha_estimate(),
+            "forward_s_per_token": self.forward_cost.seconds_per_token,
             "timeline": self.timeline(),
         }
 

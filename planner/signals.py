@@ -45,6 +45,10 @@ class LoadSignals:
     # the drafter, as the engine reports it
     drafter_offloaded: bool | None = None   # True while its weights are in host memory
     drafter_lag_tokens: int | None = None   # tokens the drafter must prefill to catch up
+    # elastic memory, as the engine's memory manager reports it (None: no offloading there)
+    kv_growth_if_offloaded: float | None = None  # target pool size after an offload / now
+    kv_usage_at_base: float | None = None   # used blocks / the pool's size with the drafter on
+    batch_limit: int | None = None          # most requests the engine runs at once
     # from Triton's metrics endpoint (None: not configured, not scraped yet, or not exported)
     triton_arrival_rate: float | None = None    # requests/s from nv_inference_request_success
     triton_pending: float | None = None         # nv_inference_pending_request_count

@@ -72,3 +72,39 @@ def test_planner_settings_are_validated():
     with pytest.raises(ConfigError, match="unknown setting"):
         EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
                      planner={"offload_after_stepz": 3})
+
+
+def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts, ar_outputs):
+    # offload_gain 0: offload on sustained pressure alone (the gain estimate is tested on synthetic
+    # costs in test_planner.py); the rest is the real policy: plain decoding is held while the
+    # load needs the grown pool, and speculation comes back once it fits the drafter-on pool.
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
+        kv_cache_bytes=24 * block_bytes(),
+        planner={"offload_after_steps": 3, "offload_after_s": 0.0, "offload_gain": 0.0,
+                 "reload_after_s": 0.0}))
+    base = engine.kv.num_blocks
+    trace = []
+
+    def record(_outs):
+        st = engine.stats()
+        trace.append((st.drafter_state, st.last_step.drafted if st.last_step else 0,
+                      engine.kv.num_blocks, engine.kv.num_used_blocks))
+    try:
+        burst = engine.generate(prompts[:16], GREEDY, on_step=record)
+        assert engine.stats().offloads == 1
+        offloaded = [t for t in trace if t[0] == "offloaded"]
+        assert offloaded and max(t[2] for t in offloaded) > base, "the pool did not grow"
+        assert max(t[3] for t in offloaded) > base, "the grown pool was not used"
+        assert all(t[1] == 0 for t in offloaded), "drafted while the drafter was offloaded"
+        n_burst = len(trace)
+        trickle = engine.generate(prompts[16:], GREEDY, max_concurrency=1, on_step=record)
+        assert engine.stats().reloads == 1, "the drafter did not come back at low load"
+        back = [t for t in trace[n_burst:] if t[0] == "on_device"]
+        assert any(t[1] > 0 for t in back), "speculation did not resume after the reload"
+        assert engine.kv.num_blocks == base and engine.memory.preempted_for_reload == 0
+        assert [c.output_ids for c in burst + trickle] == ar_outputs
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert engine.drafter.num_sequences() == 0
+    finally:
+        engine.close()

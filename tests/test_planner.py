@@ -432,3 +432,134 @@ def test_decide_is_cheap():
         spent.append(time.perf_counter() - t0)
         p.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
     assert np.median(spent) < 200e-6, np.median(spent)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory-aware offloading: KV blocks, not compute, limit the batch. Speculation wins at the batch
+# that fits with the drafter on the device (8), plain decoding at the batch the drafter's memory
+# would admit as KV cache (8 x growth): only the memory-aware rule finds that.
+
+class KVBoundEngine:
+    """`demand` requests want to run; the pool holds `base` of them with the drafter on the
+    device and `base * growth` with it offloaded. The planner's decisions run on the synthetic
+    costs; an offload takes effect at once, a reload on the next step."""
+
+    def __init__(self, planner, base=8, growth=1.75, seed=0, report_growth=True):
+        self.p, self.base, self.growth = planner, base, growth
+        self.rng = np.random.default_rng(seed)
+        self.report_growth = report_growth
+        self.t, self.offloaded = 0.0, False
+        self.offloads = self.reloads = 0
+
+    def step(self, demand):
+        cap = int(self.base * self.growth) if self.offloaded else self.base
+        b = max(1, min(demand, cap))
+        s = LoadSignals(batch_size=b, waiting=max(demand - b, 0), kv_usage=b / cap, now=self.t,
+                        drafter_offloaded=self.offloaded, batch_limit=64,
+                        kv_usage_at_base=b / self.base,
+                        kv_growth_if_offloaded=(self.growth if self.report_growth and not self.offloaded
+                                                else None))
+        d = self.p.decide(s)
+        if d.speculative and self.offloaded:        # the weights come back; this step runs plainly
+            self.offloaded, d_ran = False, AR
+            self.reloads += 1
+        else:
+            d_ran = d
+        wall, tokens, nseq = true_step(d_ran.mode, d_ran.gamma, b)
+        wall *= 1.0 + 0.05 * self.rng.standard_normal()
+        fed = nseq * (d_ran.gamma + 1)
+        self.p.observe(d_ran, step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
+                       forward_tokens=fed, forward_s=t_verify(nseq, d_ran.gamma + 1))
+        if not d_ran.speculative and not self.offloaded and self.p.wants_offload(s):
+            self.offloaded = True
+            self.offloads += 1
+        self.t += wall
+        return d_ran, b
+
+
+def test_kv_bound_shape_of_the_synthetic_costs():
+    per_token = lambda m, g, b: true_step(m, g, b)[0] / true_step(m, g, b)[1]   # noqa: E731
+    best_spec_at_8 = min(per_token("sd", g, 8) for g in range(1, 5))
+    assert best_spec_at_8 < per_token("ar", 0, 8)           # the bandit alone prefers speculation
+    assert per_token("ar", 0, 14) * 1.05 < best_spec_at_8   # ... but the offloaded batch wins
+
+
+def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
+    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20,
+                offload_after_s=0.0, reload_after_s=0.05)
+    eng = KVBoundEngine(p)
+    for _ in range(300):                      # low load: speculation, no pressure, no offload
+        eng.step(2)
+    assert eng.offloads == 0
+    high = [eng.step(30) for _ in range(1500)]
+    assert eng.offloads == 1, "sustained KV pressure with a paying bigger pool did not offload"
+    assert p.stats()["memory"]["last_offload_gain"] > 1.05
+    after = high[-1000:]
+    assert all(not d.speculative for d, _ in after), "speculated while the load needed the pool"
+    assert np.mean([b for _, b in after]) == 14     # the grown pool runs the bigger batch
+    assert p.stats()["ar_hold_steps"] >= 1000
+    low = [eng.step(2)[0] for _ in range(1500)]
+    assert eng.reloads == 1, "the drafter did not come back when the load fitted again"
+    assert np.mean([d.speculative for d in low[-500:]]) > 0.9
+    assert eng.offloads == 1                  # no bouncing
+
+
+@pytest.mark.parametrize("growth, report", [(1.2, True), (1.75, False)])
+def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, report):
+    # growth 1.2: the batch the freed memory admits (9-10) is not enough to beat speculation at 8;
+    # no growth reported (no memory manager, or offloading disabled): nothing to weigh
+    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20, offload_after_s=0.0)
+    eng = KVBoundEngine(p, growth=growth, report_growth=report)
+    tail = [eng.step(30)[0] for _ in range(1500)][-500:]
+    assert eng.offloads == 0
+    assert np.mean([d.speculative for d in tail]) > 0.8
+    assert p.stats()["ar_hold_steps"] == 0
+
+
+def test_offload_gain_zero_offloads_on_sustained_pressure_alone():
+    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=5,
+                offload_after_s=0.0, offload_gain=0.0)
+    eng = KVBoundEngine(p, growth=1.2)
+    for _ in range(40):
+        eng.step(30)
+    assert eng.offloads == 1
+
+
+def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
+    from planner.step_costs import ForwardCost
+    fc = ForwardCost()
+    rng = np.random.default_rng(0)
+    assert fc.seconds_per_token is None and fc.per_token_ratio(8, 16) is None
+    for _ in range(400):
+        n = int(rng.integers(8, 200))
+        fc.observe(n, 0.004 + 2e-4 * n * (1 + 0.05 * rng.standard_normal()))
+    assert fc.seconds_per_token == pytest.approx(2e-4, rel=0.1)
+    assert fc.prefill_seconds(50) == pytest.approx(0.01, rel=0.1)
+    # per-token cost at batch 16 over batch 8: (0.004/16 + 2e-4) / (0.004/8 + 2e-4)
+    assert fc.per_token_ratio(8, 16) == pytest.approx(0.45 / 0.7, rel=0.1)
+
+    # An arm's loss is its decode cost, whatever prefill rode along in its steps.
+    p = Planner(gamma_max=2, psd_available=False, seed=0, modes=("ar",))
+    decode_tokens = 8
+    for i in range(400):
+        prefill = int(rng.integers(0, 160)) if i % 2 else 0
+        d = p.decide(LoadSignals(batch_size=decode_tokens, now=i * 0.01))
+        fwd = 0.004 + 2e-4 * (decode_tokens + prefill)
+        p.observe(d, step_wall_s=fwd + 0.001, tokens_committed=decode_tokens, batch_size=decode_tokens,
+                  prefill_tokens=prefill, forward_tokens=decode_tokens + prefill, forward_s=fwd)
+    mean, _ = p.bandit.means("b8-15")[("ar", 0)]
+    clean = (0.004 + 2e-4 * decode_tokens + 0.001) / decode_tokens * p._norm("b8-15", decode_tokens)
+    assert mean == pytest.approx(clean, rel=0.1)
+
+
+def test_select_restricted_to_allowed_arms():
+    b = ContextualBandit(["a", "b", "c"], seed=0)
+    for _ in range(30):
+        arm = b.select(0)
+        b.update(0, arm, {"a": 1.0, "b": 0.5, "c": 2.0}[arm])
+    assert b.select(0) == "b"
+    assert all(b.select(0, allowed=["a", "c"]) == "a" for _ in range(20))   # the best allowed one
+    b.interrupt()
+    assert b.select(0) == "b"
+    with pytest.raises(ValueError):
+        b.select(0, allowed=[])

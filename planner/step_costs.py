@@ -1,0 +1,85 @@
+"""The target forward's cost against the tokens it is fed: a line the planner fits to its own
+measurements, and uses twice.
+
+* **Prefill out of an arm's loss.** Under load nearly every step carries prefill chunks (new
+  arrivals, requests recomputed after a preemption) next to its decodes; in the dynamic
+  benchmark about half the tokens a step feeds the target are prompt tokens. Their cost has
+  nothing to do with the arm that ran, yet it varies from step to step by several times the
+  arms' differences. The forward's time is close to affine in the tokens fed, so the line's
+  slope times the prefill tokens is taken off a step's wall time before the arm is scored.
+* **What a bigger batch buys.** Plain decoding at batch b feeds b tokens; the line predicts how
+  its per-token latency changes from batch b to b2, which is what an offload would buy: the
+  planner uses it to weigh the drafter's memory as KV cache.
+
+The line is fitted over every step, whatever the arm (a speculative step feeds more tokens per
+sequence, a prefill many more), so it is known early and spans a wide range of sizes. It is a
+running least-squares fit with exponential forgetting, so it follows slow drift.
+"""
+from __future__ import annotations
+
+
+class RunningLine:
+    """y ~ intercept + slope * x, by least squares over the points added so far, each weighted
+    ``forget ** age``."""
+
+    def __init__(self, forget: float = 0.995, min_points: int = 16, min_rel_spread: float = 0.0):
+        if not 0.0 < forget <= 1.0:
+            raise ValueError("forget must be in (0, 1]")
+        self.forget = float(forget)
+        self.min_points = int(min_points)
+        self.min_rel_spread = float(min_rel_spread)
+        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.points = 0
+
+    def add(self, x: float, y: float) -> None:
+        f, x, y = self.forget, float(x), float(y)
+        self._n = f * self._n + 1.0
+        self._sx = f * self._sx + x
+        self._sy = f * self._sy + y
+        self._sxx = f * self._sxx + x * x
+        self._sxy = f * self._sxy + x * y
+        self.points += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(intercept, slope), or None until enough points with enough spread in x were seen."""
+        if self.points < self.min_points:
+            return None
+        mx, my = self._sx / self._n, self._sy / self._n
+        var = self._sxx / self._n - mx * mx
+        if var <= 1e-12 or var < (self.min_rel_spread * mx) ** 2:
+            return None
+        slope = (self._sxy / self._n - mx * my) / var
+        return my - slope * mx, slope
+
+
+class ForwardCost:
+    """Seconds of the target's forward against the tokens it is fed."""
+
+    def __init__(self):
+        self.line = RunningLine(forget=0.995, min_points=16, min_rel_spread=0.1)
+
+    def observe(self, tokens_fed: int, forward_s: float) -> None:
+        if tokens_fed > 0 and forward_s > 0:
+            self.line.add(tokens_fed, forward_s)
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        fit = self.line.fit()
+        return max(fit[1], 0.0) if fit is not None else None
+
+    def prefill_seconds(self, prefill_tokens: int) -> float:
+        """The share of a step's forward that went to `prefill_tokens` prompt tokens."""
+        slope = self.seconds_per_token
+        return slope * prefill_tokens if slope is not None and prefill_tokens > 0 else 0.0
+
+    def per_token_ratio(self, b: float, b2: float) -> float | None:
+        """Plain decoding's per-token forward time at batch b2 over that at batch b (one token per
+        sequence); None until the line is known."""
+        fit = self.line.fit()
+        if fit is None:
+            return None
+        a, c = fit[0], max(fit[1], 0.0)
+        at_b, at_b2 = (a + c * b) / b, (a + c * b2) / b2
+        if at_b <= 0 or at_b2 <= 0:
+            return None
+        return at_b2 / at_b
