@@ -11,12 +11,16 @@ same arrival schedule (same seed) is replayed, in real time, against each config
   adaptive_no_offload  the same planner, never offloading
 
 Placement is the same for all: the target runs one thread on its core; wherever there is a
-drafter it runs in its worker on the other core (on a CPU host the two share one RAM budget, so
-an offloaded drafter's bytes go to the target's KV pool).
+drafter it runs in its worker on the other core. On a CPU host the two share one RAM budget, so
+an offloaded drafter's bytes (weights and KV pool) become target KV blocks.
 
-Per phase and overall: throughput, TTFT, TPOT, end-to-end latency (mean, p99); the planner's
-gamma/mode timeline, offload events and switches; and its regret against the best fixed
-configuration of each phase.
+In-process by default (the engine stepped by this process); ``--server`` sends the same schedule
+through a real tritonserver over gRPC, one server per configuration (`client.dynamic_server`).
+``--repeats N`` runs every configuration N times, interleaved (the order rotates each round, so a
+slow spell of a shared machine does not land on one configuration), and reports medians and the
+run-to-run spread. Per phase and overall: throughput, TTFT, TPOT, end-to-end latency (mean,
+p99); the planner's gamma/mode timeline, offload events and switches; adaptive's ratios to the
+best fixed configuration of each phase and to each fixed one overall (`client.dynamic_report`).
 """
 from __future__ import annotations
 
@@ -24,38 +28,46 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import dynamic_report as report_mod
 from .bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
+from .dynamic_report import Record, RunResult
 from .prompts import load_prompts
 
 CONFIGS = ("ar", "sd", "psd", "adaptive", "adaptive_no_offload")
 PHASES = (("low", 0.25, 1.0), ("high", 1.6, 1.5), ("low", 0.25, 1.0))   # name, rate x capacity, length x base
+BASE_PHASE_S = 20.0
 
 
 def add_dynamic_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("dynamic", help="low -> high -> low Poisson load: fixed vs adaptive")
+    p = bench_sub.add_parser("dynamic", help="low -> high -> low Poisson load: fixed vs adaptive",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(DEFAULT_TARGET))
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
     p.add_argument("--prompts", default=None, help="file with one JSON string per line")
     p.add_argument("--json", default="bench-dynamic.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="multiplies every phase's length (base 20 s); 0.25 runs the whole "
-                        "comparison in a few minutes")
+                   help=f"multiplies every phase's length (base {BASE_PHASE_S:.0f} s; the high phase "
+                        "1.5x that); 0.4 runs one repeat of the whole comparison in about 4 minutes")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved")
+    p.add_argument("--server", action="store_true",
+                   help="through a real tritonserver over gRPC (one server per configuration)")
     p.add_argument("--capacity", type=float, default=None,
-                   help="requests/s the machine sustains (default: measured first)")
-    p.add_argument("--max-tokens", type=int, default=48)
+                   help="requests/s plain decoding sustains (default: measured first)")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--gamma", type=int, default=3, help="gamma of the fixed sd and psd configs")
+    p.add_argument("--gamma-max", type=int, default=4, help="the planner's largest gamma")
     p.add_argument("--kv-blocks", type=int, default=96,
                    help="target KV pool in blocks of 16 tokens (tight, so the high phase queues)")
+    p.add_argument("--planner", default=None, help="planner settings for the adaptive configs (JSON)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_dynamic_cli)
@@ -68,29 +80,11 @@ class Arrival:
     prompt: str
 
 
-@dataclass
-class Record:
-    phase: int
-    arrival: float
-    first_token: float | None = None
-    finish: float | None = None
-    tokens: int = 0
-
-
-@dataclass
-class RunResult:
-    records: list[Record]
-    phase_tokens: list[int]
-    phase_bounds: list[tuple[float, float]]
-    timeline: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-
-
 def schedule(prompts: list[str], capacity: float, scale: float, seed: int) -> tuple[list[Arrival], list[tuple[float, float]]]:
     rng = random.Random(seed)
     arrivals, bounds, t0 = [], [], 0.0
     for i, (_, rate_x, length_x) in enumerate(PHASES):
-        length = 20.0 * length_x * scale
+        length = BASE_PHASE_S * length_x * scale
         rate = rate_x * capacity
         t = t0
         while True:
@@ -103,24 +97,31 @@ def schedule(prompts: list[str], capacity: float, scale: float, seed: int) -> tu
     return arrivals, bounds
 
 
-def make_engine(name: str, args):
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
+def engine_config(name: str, args) -> dict:
+    """The engine configuration of one benchmark configuration (also the server's engine.json)."""
     from backend.kv_cache import PagedKVCache
     from backend.model_config import ModelConfig
 
     block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(args.target), 16, torch.float32)
-    common = dict(target=args.target, kv_cache_bytes=args.kv_blocks * block, max_num_seqs=64,
-                  seed=args.seed, gamma_max=max(4, args.gamma))
+    cfg = dict(target=str(Path(args.target).resolve()), kv_cache_bytes=args.kv_blocks * block,
+               block_size=16, max_num_seqs=64, seed=args.seed, num_threads=1, dtype="float32",
+               gamma_max=max(args.gamma_max, args.gamma))
     if name == "ar":
-        return Engine(EngineConfig(**common))
+        return cfg | {"mode": "ar", "gamma": 0}
+    cfg |= {"drafter": str(Path(args.drafter).resolve()), "drafter_device": "cpu"}
     if name in ("sd", "psd"):
-        return Engine(EngineConfig(**common, drafter=args.drafter, mode=name, gamma=args.gamma,
-                                   drafter_device="cpu"))
+        return cfg | {"mode": name, "gamma": args.gamma}
     if name in ("adaptive", "adaptive_no_offload"):
-        return Engine(EngineConfig(**common, drafter=args.drafter, mode="auto", drafter_device="cpu",
-                                   offload=(name == "adaptive")))
+        planner = json.loads(args.planner) if args.planner else {}
+        return cfg | {"mode": "auto", "gamma": args.gamma, "offload": name == "adaptive",
+                      **({"planner": planner} if planner else {})}
     raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
+
+
+def make_engine(name: str, args):
+    from backend.engine import Engine
+    from backend.engine_config import EngineConfig
+    return Engine(EngineConfig(**engine_config(name, args)))
 
 
 def measure_capacity(args, prompts: list[str]) -> float:
@@ -128,6 +129,7 @@ def measure_capacity(args, prompts: list[str]) -> float:
     from backend.sampling_params import SamplingParams
     engine = make_engine("ar", args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    engine.generate(prompts[:4], params)
     t0 = time.perf_counter()
     engine.generate(prompts[:32], params, max_concurrency=16)
     return 32 / (time.perf_counter() - t0)
@@ -136,200 +138,134 @@ def measure_capacity(args, prompts: list[str]) -> float:
 def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
     """Real time: each request is added when its arrival time comes; the engine steps meanwhile."""
     from backend.sampling_params import SamplingParams
-    records: list[Record] = []
-    phase_tokens = [0] * len(bounds)
-    timeline, last_mode = [], None
+    records = [Record(a.phase, a.t) for a in arrivals]
+    timeline, last_state = [], None
     start = time.perf_counter()
     nxt = 0
     while nxt < len(arrivals) or engine.has_unfinished():
         now = time.perf_counter() - start
         while nxt < len(arrivals) and arrivals[nxt].t <= now:
-            a = arrivals[nxt]
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     ignore_eos=True, seed=args.seed + nxt)
-            engine.add_request(str(nxt), a.prompt, params)
-            records.append(Record(a.phase, start + a.t))
+            engine.add_request(str(nxt), arrivals[nxt].prompt, params)
             nxt += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(arrivals[nxt].t - now, 0.05)) if nxt < len(arrivals) else 0)
             continue
         outs = engine.step()
-        t = time.perf_counter()
-        phase = _phase_at(t - start, bounds)
+        t = time.perf_counter() - start
         for o in outs:
             r = records[int(o.request_id)]
             if o.new_token_ids:
                 r.tokens += len(o.new_token_ids)
-                phase_tokens[phase] += len(o.new_token_ids)
-                r.first_token = r.first_token or t
+                if r.first_token is None:
+                    r.first_token = t
             if o.finished:
                 r.finish = t
         st = engine.stats()
-        mode = (st.last_step.mode, st.gamma if st.last_step.mode != "ar" else 0, st.drafter_state)
-        if mode != last_mode:
-            timeline.append({"t": t - start, "mode": mode[0], "gamma": mode[1], "drafter": mode[2],
-                             "running": st.num_running, "waiting": st.num_waiting})
-            last_mode = mode
+        mode = st.last_step.mode if st.last_step is not None else "ar"
+        state = (mode, st.gamma if mode != "ar" else 0, st.drafter_state, st.kv_total_blocks)
+        if state != last_state:
+            timeline.append({"t": t, "mode": state[0], "gamma": state[1], "drafter": state[2],
+                             "kv_blocks": state[3], "running": st.num_running, "waiting": st.num_waiting})
+            last_state = state
     events = []
     if getattr(engine, "memory", None) is not None:
-        events = [{"t": e.t - start, "kind": e.kind, "target_kv_blocks": e.target_kv_blocks,
+        t_start = start
+        events = [{"t": e.t - t_start, "kind": e.kind, "target_kv_blocks": e.target_kv_blocks,
                    "seconds": e.seconds} for e in engine.memory.events]
-    return RunResult(records, phase_tokens, bounds, timeline, events)
+    run = RunResult(records, list(bounds), timeline, events)
+    if engine.planner is not None:
+        ps = engine.planner.stats()
+        run.switches = ps["switches"]
+        run.arm_counts = {str(k): v for k, v in ps["arm_counts"].items()}
+    return run
 
 
-def _phase_at(t: float, bounds) -> int:
-    for i, (_, hi) in enumerate(bounds):
-        if t < hi:
-            return i
-    return len(bounds) - 1
+def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
+    if args.server:
+        from .dynamic_server import replay_on_server
+        return replay_on_server(engine_config(name, args), arrivals, bounds, args)
+    os.sched_setaffinity(0, cores)     # the drafter worker picks its core from the full set
+    engine = make_engine(name, args)
+    _place_target(cores)
+    try:
+        return replay(engine, arrivals, bounds, args)
+    finally:
+        engine.close()
 
 
-def metrics(records: list[Record], tokens: int, seconds: float) -> dict:
-    done = [r for r in records if r.finish is not None]
-    ttft = [r.first_token - r.arrival for r in done if r.first_token]
-    e2e = [r.finish - r.arrival for r in done]
-    tpot = [(r.finish - r.first_token) / (r.tokens - 1) for r in done if r.first_token and r.tokens > 1]
-    return {"requests": len(done), "throughput_tok_s": tokens / seconds if seconds else 0.0,
-            "ttft_mean_s": _mean(ttft), "ttft_p99_s": _p99(ttft), "tpot_mean_s": _mean(tpot),
-            "e2e_mean_s": _mean(e2e), "e2e_p99_s": _p99(e2e)}
-
-
-def _mean(xs):
-    return statistics.fmean(xs) if xs else 0.0
-
-
-def _p99(xs):
-    return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else 0.0
-
-
-def summarise(run: RunResult) -> dict:
-    phases = []
-    for i, (lo, hi) in enumerate(run.phase_bounds):
-        phases.append(metrics([r for r in run.records if r.phase == i], run.phase_tokens[i], hi - lo))
-    ends = [r.finish for r in run.records if r.finish]
-    span = (max(ends) - min(r.arrival for r in run.records)) if ends else 1.0
-    return {"phases": phases, "overall": metrics(run.records, sum(run.phase_tokens), span)}
+def _place_target(cores: list[int]) -> None:
+    """Every configuration's target gets the same core and one thread (engines with a worker
+    have pinned themselves like this already)."""
+    os.sched_setaffinity(0, cores[:-1] or cores)
+    torch.set_num_threads(1)
 
 
 def run_dynamic_cli(args) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.planner:
+        json.loads(args.planner)       # fail now, not after the first runs
     prompts = load_prompts(args.prompts)
     cores = sorted(os.sched_getaffinity(0))
-    target_cores = cores[:-1] or cores
-
-    def place_target() -> None:        # engines with a worker pin us; start each run alike
-        os.sched_setaffinity(0, target_cores)
-        torch.set_num_threads(len(target_cores))
-
-    place_target()
+    _place_target(cores)
     capacity = args.capacity or measure_capacity(args, prompts)
     arrivals, bounds = schedule(prompts, capacity, args.scale, args.seed)
-    print(f"capacity ~{capacity:.2f} req/s; {len(arrivals)} requests over {bounds[-1][1]:.0f}s "
-          f"in phases {[p[0] for p in PHASES]}", file=sys.stderr)
-    configs, planner_info = {}, {}
-    for name in names:
-        print(f"  {name} ...", file=sys.stderr)
-        os.sched_setaffinity(0, cores)     # the worker picks its core from the full set
-        engine = make_engine(name, args)
-        place_target()
-        try:
-            run = replay(engine, arrivals, bounds, args)
-        finally:
-            engine.close()
-        configs[name] = summarise(run)
-        configs[name]["timeline"] = run.timeline
-        if name == "adaptive" or (name.startswith("adaptive") and not planner_info):
-            ps = engine.planner.stats()
-            planner_info = {"config": name, "switches": ps.get("switches", 0),
-                            "offloads": sum(e["kind"] == "offload" for e in run.events),
-                            "reloads": sum(e["kind"] == "reload_done" for e in run.events),
-                            "events": run.events, "timeline": run.timeline,
-                            "arm_counts": {str(k): v for k, v in ps.get("arm_counts", {}).items()}}
-    report = {"capacity_req_s": capacity, "scale": args.scale, "kv_blocks": args.kv_blocks,
-              "phases": [{"name": n, "rate_req_s": x * capacity, "start_s": lo, "end_s": hi}
-                         for (n, x, _), (lo, hi) in zip(PHASES, bounds)],
+    where = "through tritonserver (gRPC)" if args.server else "in-process"
+    print(f"capacity ~{capacity:.2f} req/s; {len(arrivals)} requests over {bounds[-1][1]:.0f} s in "
+          f"phases {[p[0] for p in PHASES]}; {len(names)} configs x {args.repeats} repeats, {where}",
+          file=sys.stderr)
+    runs: dict[str, list[RunResult]] = {n: [] for n in names}
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            t0 = time.perf_counter()
+            run = run_one(name, arrivals, bounds, args, cores)
+            runs[name].append(run)
+            s = report_mod.summarise(run)["overall"]
+            print(f"  [{rep + 1}/{args.repeats}] {name:<20} {time.perf_counter() - t0:5.1f} s: "
+                  f"{s['throughput_tok_s']:.0f} tok/s, TTFT {s['ttft_mean_s']:.3f} s, "
+                  f"e2e {s['e2e_mean_s']:.3f} s" + (f", {s['failed']} failed" if s["failed"] else ""),
+                  file=sys.stderr)
+    os.sched_setaffinity(0, cores)
+
+    summaries = {n: [report_mod.summarise(r) for r in rs] for n, rs in runs.items()}
+    configs = {}
+    for n in names:
+        configs[n] = report_mod.median_summary(summaries[n])
+        configs[n]["runs"] = summaries[n]
+        configs[n]["timeline"] = runs[n][0].timeline
+        if n.startswith("adaptive"):
+            configs[n]["switches"] = [r.switches for r in runs[n]]
+            configs[n]["offloads"] = [sum(e["kind"] == "offload" for e in r.events) for r in runs[n]]
+    planner_info = {}
+    for n in ("adaptive", "adaptive_no_offload"):
+        if n in runs:
+            first = runs[n][0]
+            planner_info = {"config": n, "switches": first.switches,
+                            "offloads": sum(e["kind"] == "offload" for e in first.events),
+                            "reloads": sum(e["kind"] == "reload_done" for e in first.events),
+                            "events": first.events, "timeline": first.timeline,
+                            "arm_counts": first.arm_counts}
+            break
+    report = {"where": "server" if args.server else "in-process", "capacity_req_s": capacity,
+              "scale": args.scale, "repeats": args.repeats, "kv_blocks": args.kv_blocks,
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "gamma": args.gamma,
+              "phases": [{"name": n, "rate_req_s": x * capacity, "start_s": lo, "end_s": hi,
+                          "requests": sum(a.phase == i for a in arrivals)}
+                         for i, ((n, x, _), (lo, hi)) in enumerate(zip(PHASES, bounds))],
               "configs": configs, "planner": planner_info,
-              "regret": regret(configs, len(bounds))}
+              "noise": report_mod.noise(summaries),
+              "regret": report_mod.regret(configs, len(bounds))}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
-    print(format_table(report))
+    print(report_mod.format_table(report))
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
-    draw(report, plot)
+    report_mod.draw(report, plot)
     print(f"wrote {args.json} and {plot}", file=sys.stderr)
     return 0
-
-
-def regret(configs: dict, n_phases: int) -> dict:
-    """Per phase: adaptive's throughput and e2e latency relative to the best fixed config."""
-    fixed = [n for n in ("ar", "sd", "psd") if n in configs]
-    out = {}
-    for name in ("adaptive", "adaptive_no_offload"):
-        if name not in configs or not fixed:
-            continue
-        rows = []
-        for i in range(n_phases):
-            best_tp = max(fixed, key=lambda n: configs[n]["phases"][i]["throughput_tok_s"])
-            best_e2e = min(fixed, key=lambda n: configs[n]["phases"][i]["e2e_mean_s"] or 1e9)
-            a = configs[name]["phases"][i]
-            rows.append({"best_fixed_throughput": best_tp,
-                         "throughput_ratio": a["throughput_tok_s"] / configs[best_tp]["phases"][i]["throughput_tok_s"],
-                         "best_fixed_e2e": best_e2e,
-                         "e2e_ratio": (a["e2e_mean_s"] / configs[best_e2e]["phases"][i]["e2e_mean_s"]
-                                       if configs[best_e2e]["phases"][i]["e2e_mean_s"] else None)})
-        out[name] = rows
-    return out
-
-
-def format_table(report: dict) -> str:
-    head = (f"{'config':<20} {'phase':<8} {'tok/s':>8} {'ttft':>7} {'ttft99':>7} {'tpot':>7} "
-            f"{'e2e':>7} {'e2e99':>7}")
-    lines = [head, "-" * len(head)]
-    names = [p["name"] for p in report["phases"]] + ["overall"]
-    for cfg, res in report["configs"].items():
-        for name, m in zip(names, res["phases"] + [res["overall"]]):
-            lines.append(f"{cfg:<20} {name:<8} {m['throughput_tok_s']:8.1f} {m['ttft_mean_s']:7.3f} "
-                         f"{m['ttft_p99_s']:7.3f} {m['tpot_mean_s']:7.4f} {m['e2e_mean_s']:7.3f} "
-                         f"{m['e2e_p99_s']:7.3f}")
-    p = report.get("planner") or {}
-    if p:
-        lines.append(f"planner ({p['config']}): {p['switches']} switches, {p['offloads']} offloads, "
-                     f"{p['reloads']} reloads")
-    for name, rows in report.get("regret", {}).items():
-        lines.append(f"{name} vs best fixed per phase: " + ", ".join(
-            f"tok/s x{r['throughput_ratio']:.2f} (vs {r['best_fixed_throughput']})" for r in rows))
-    return "\n".join(lines)
-
-
-def draw(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed; no plot", file=sys.stderr)
-        return
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for name in ("adaptive", "adaptive_no_offload"):
-        tl = report["configs"].get(name, {}).get("timeline", [])
-        if tl:
-            xs = [e["t"] for e in tl]
-            ax1.step(xs, [e["gamma"] if e["mode"] != "psd" else -e["gamma"] for e in tl], where="post",
-                     label=f"{name}: gamma (negative = psd)")
-    for e in (report.get("planner") or {}).get("events", []):
-        ax1.axvline(e["t"], color={"offload": "red", "reload_start": "orange"}.get(e["kind"], "green"),
-                    ls=":", lw=1)
-    for ph in report["phases"]:
-        ax1.axvspan(ph["start_s"], ph["end_s"], alpha=0.06 if ph["name"] == "low" else 0.15, color="grey")
-    ax1.set_ylabel("gamma")
-    ax1.set_title("planner decisions (dotted: red offload, orange reload start, green reload done)")
-    ax1.legend(fontsize=7)
-    names = list(report["configs"])
-    width = 0.8 / max(len(names), 1)
-    for k, name in enumerate(names):
-        phases = report["configs"][name]["phases"]
-        xs = [(ph["start_s"] + ph["end_s"]) / 2 + (k - len(names) / 2) * width * 4 for ph in report["phases"]]
-        ax2.bar(xs, [p["throughput_tok_s"] for p in phases], width=width * 4, label=name)
-    ax2.set_ylabel("tokens/s")
-    ax2.set_xlabel("seconds")
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -1,0 +1,211 @@
+"""What `nightdraft bench dynamic` reports: per-phase metrics, medians over repeats, the
+planner's regret, the table and the plot.
+
+A request belongs to the phase it *arrived* in. A phase's throughput is its requests' tokens over
+the time from the phase's start to the last of them finishing, so a configuration that falls
+behind in the high phase is charged there, not credited in the next phase for draining its
+backlog. With ``--repeats`` every metric is the median over the repeats, and the run-to-run spread
+of the fixed configurations is the noise that the ratios are read against.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s")
+FIXED = ("ar", "sd", "psd")
+ADAPTIVE = ("adaptive", "adaptive_no_offload")
+
+
+@dataclass
+class Record:
+    phase: int
+    arrival: float                 # seconds since the run's start
+    first_token: float | None = None
+    finish: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    records: list[Record]
+    phase_bounds: list[tuple[float, float]]
+    timeline: list[dict] = field(default_factory=list)   # planner / engine state over time
+    events: list[dict] = field(default_factory=list)     # offload / reload events
+    switches: int = 0
+    arm_counts: dict = field(default_factory=dict)
+
+
+def request_metrics(records: list[Record], start: float, end: float | None = None) -> dict:
+    done = [r for r in records if r.finish is not None and r.error is None]
+    ttft = [r.first_token - r.arrival for r in done if r.first_token is not None]
+    e2e = [r.finish - r.arrival for r in done]
+    tpot = [(r.finish - r.first_token) / (r.tokens - 1) for r in done
+            if r.first_token is not None and r.tokens > 1]
+    last = max((r.finish for r in done), default=start)
+    span = max(last, end or start) - start
+    return {"requests": len(done), "failed": len(records) - len(done),
+            "throughput_tok_s": sum(r.tokens for r in done) / span if span > 0 else 0.0,
+            "ttft_mean_s": _mean(ttft), "ttft_p99_s": _p99(ttft), "tpot_mean_s": _mean(tpot),
+            "e2e_mean_s": _mean(e2e), "e2e_p99_s": _p99(e2e)}
+
+
+def summarise(run: RunResult) -> dict:
+    phases = [request_metrics([r for r in run.records if r.phase == i], lo, hi)
+              for i, (lo, hi) in enumerate(run.phase_bounds)]
+    first = min((r.arrival for r in run.records), default=0.0)
+    return {"phases": phases, "overall": request_metrics(run.records, first)}
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Metric by metric, the median over repeats (and the runs themselves, for the record)."""
+    def med(rows: list[dict]) -> dict:
+        out = {k: statistics.median(r[k] for r in rows) for k in METRICS}
+        out["requests"] = rows[0]["requests"]
+        out["failed"] = max(r["failed"] for r in rows)
+        return out
+    n_phases = len(summaries[0]["phases"])
+    return {"phases": [med([s["phases"][i] for s in summaries]) for i in range(n_phases)],
+            "overall": med([s["overall"] for s in summaries])}
+
+
+def noise(runs: dict[str, list[dict]]) -> float | None:
+    """Run-to-run spread of the fixed configurations: the median, over fixed configs, phases and
+    metrics, of (max - min) / median across repeats. None with a single repeat."""
+    spreads = []
+    for name in FIXED:
+        rs = runs.get(name, [])
+        if len(rs) < 2:
+            continue
+        for part in range(len(rs[0]["phases"]) + 1):
+            rows = [r["phases"][part] if part < len(r["phases"]) else r["overall"] for r in rs]
+            for k in ("throughput_tok_s", "ttft_mean_s", "e2e_mean_s"):
+                vals = [row[k] for row in rows]
+                m = statistics.median(vals)
+                if m > 0:
+                    spreads.append((max(vals) - min(vals)) / m)
+    return statistics.median(spreads) if spreads else None
+
+
+def regret(configs: dict, n_phases: int) -> dict:
+    """Adaptive against the fixed configurations: per phase against the best fixed one of that
+    phase (throughput: higher is better, latencies: lower), overall against each."""
+    fixed = [n for n in FIXED if n in configs]
+    out = {}
+    for name in ADAPTIVE:
+        if name not in configs or not fixed:
+            continue
+        rows = []
+        for i in range(n_phases):
+            a = configs[name]["phases"][i]
+            row = {}
+            for k, better in (("throughput_tok_s", max), ("ttft_mean_s", min), ("e2e_mean_s", min)):
+                best = better(fixed, key=lambda n: configs[n]["phases"][i][k])
+                ref = configs[best]["phases"][i][k]
+                row[k] = {"best_fixed": best, "ratio": a[k] / ref if ref else None}
+            rows.append(row)
+        overall = {n: {k: (configs[name]["overall"][k] / configs[n]["overall"][k]
+                           if configs[n]["overall"][k] else None)
+                       for k in ("throughput_tok_s", "ttft_mean_s", "e2e_mean_s")} for n in fixed}
+        out[name] = {"per_phase": rows, "overall_vs": overall}
+    return out
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'config':<20} {'phase':<8} {'tok/s':>8} {'ttft':>7} {'ttft99':>7} {'tpot':>7} "
+            f"{'e2e':>7} {'e2e99':>7}")
+    lines = [head, "-" * len(head)]
+    names = [p["name"] for p in report["phases"]] + ["overall"]
+    for cfg, res in report["configs"].items():
+        for name, m in zip(names, res["phases"] + [res["overall"]]):
+            lines.append(f"{cfg:<20} {name:<8} {m['throughput_tok_s']:8.1f} {m['ttft_mean_s']:7.3f} "
+                         f"{m['ttft_p99_s']:7.3f} {m['tpot_mean_s']:7.4f} {m['e2e_mean_s']:7.3f} "
+                         f"{m['e2e_p99_s']:7.3f}" + (f"  ({m['failed']} failed)" if m.get("failed") else ""))
+    nz = report.get("noise")
+    lines.append(f"noise (run-to-run spread of fixed configs over {report.get('repeats', 1)} repeats): "
+                 + (f"{nz:.0%}" if nz is not None else "unknown (use --repeats 2 or more)"))
+    for name, r in report.get("regret", {}).items():
+        lines.append(f"{name} / best fixed per phase:")
+        for ph, row in zip(report["phases"], r["per_phase"]):
+            lines.append("  " + f"{ph['name']:<5} " + ", ".join(
+                f"{label} x{row[k]['ratio']:.2f} (vs {row[k]['best_fixed']})"
+                for k, label in (("throughput_tok_s", "tok/s"), ("ttft_mean_s", "TTFT"),
+                                 ("e2e_mean_s", "e2e")) if row[k]["ratio"] is not None))
+        lines.append(f"{name} / each fixed overall: " + ", ".join(
+            f"{n}: tok/s x{v['throughput_tok_s']:.2f} e2e x{v['e2e_mean_s']:.2f}"
+            for n, v in r["overall_vs"].items() if v["throughput_tok_s"] and v["e2e_mean_s"]))
+    c = report["configs"]
+    if all(n in c for n in ADAPTIVE):
+        hi = [i for i, p in enumerate(report["phases"]) if p["name"] == "high"]
+        for i in hi:
+            a, b = c["adaptive"]["phases"][i], c["adaptive_no_offload"]["phases"][i]
+            if b["ttft_mean_s"]:
+                lines.append(f"offloading, high phase: TTFT {a['ttft_mean_s']:.3f} s with vs "
+                             f"{b['ttft_mean_s']:.3f} s without (x{a['ttft_mean_s'] / b['ttft_mean_s']:.2f}), "
+                             f"tok/s x{a['throughput_tok_s'] / b['throughput_tok_s']:.2f}")
+    p = report.get("planner") or {}
+    if p:
+        lines.append(f"planner ({p['config']}, first repeat): {p['switches']} switches, "
+                     f"{p['offloads']} offloads, {p['reloads']} reloads")
+    return "\n".join(lines)
+
+
+def draw(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no plot", file=sys.stderr)
+        return
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=False)
+    colours = {"adaptive": "tab:red", "adaptive_no_offload": "tab:blue"}
+    for name in ADAPTIVE:
+        tl = report["configs"].get(name, {}).get("timeline", [])
+        if not tl:
+            continue
+        xs = [e["t"] for e in tl]
+        ax1.step(xs, [e["gamma"] if e["mode"] != "psd" else -e["gamma"] for e in tl], where="post",
+                 label=f"{name}: gamma (negative: psd)", color=colours[name], lw=0.8, alpha=0.8)
+        ax2.step(xs, [e["running"] for e in tl], where="post", color=colours[name], lw=0.8,
+                 label=f"{name}: running requests")
+        if any("kv_blocks" in e for e in tl):
+            ax2.step(xs, [e.get("kv_blocks", 0) for e in tl], where="post", color=colours[name],
+                     ls="--", lw=1.0, label=f"{name}: target KV blocks")
+    for e in (report.get("planner") or {}).get("events", []):
+        ax1.axvline(e["t"], color={"offload": "red", "reload_start": "orange"}.get(e["kind"], "green"),
+                    ls=":", lw=1)
+    for ax in (ax1, ax2):
+        for ph in report["phases"]:
+            ax.axvspan(ph["start_s"], ph["end_s"], alpha=0.06 if ph["name"] == "low" else 0.15, color="grey")
+    ax1.set_ylabel("gamma")
+    ax1.set_title("planner decisions (dotted: red offload, orange reload start, green reload done)")
+    ax1.legend(fontsize=7, loc="upper right")
+    ax2.set_ylabel("count")
+    ax2.set_xlabel("seconds")
+    ax2.legend(fontsize=7, loc="upper right")
+    names = list(report["configs"])
+    labels = [p["name"] for p in report["phases"]] + ["overall"]
+    width = 0.8 / max(len(names), 1)
+    for k, name in enumerate(names):
+        res = report["configs"][name]
+        vals = [p["e2e_mean_s"] for p in res["phases"]] + [res["overall"]["e2e_mean_s"]]
+        ax3.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(labels))], vals,
+                width=width, label=name)
+    ax3.set_xticks(range(len(labels)), [f"{i + 1}: {n}" if n != "overall" else n
+                                        for i, n in enumerate(labels)])
+    ax3.set_ylabel("mean e2e latency (s)")
+    ax3.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _p99(xs):
+    return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else 0.0
