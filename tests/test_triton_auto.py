@@ -1,0 +1,140 @@
+"""Mode "auto" behind a real tritonserver: the planner's gauges move as it decides.
+
+A server of its own (the ``nightdraft`` model only, laid out by the dynamic benchmark's
+``write_repository``) runs mode "auto" with a tight KV pool and an eager offload policy. A client
+sends a trickle, a burst and a trickle again while a thread scrapes ``/metrics``: the gamma,
+pipeline-mode, drafter-state and KV-pool gauges must show speculation at low load, plain decoding
+with the drafter offloaded and a grown pool under the burst, and the drafter back afterwards;
+every answer must equal plain greedy decoding, and every KV block must be free at the end.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.triton_client import GrpcClient
+from conftest import TEST_BLOCK_SIZE, TINY_TARGET, _kv_bytes_per_block, test_engine_config
+from test_triton_e2e import metrics, short_prompts, wait_kv_free
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 32
+KV_BLOCKS = 24
+
+
+def auto_engine_config() -> dict:
+    return test_engine_config() | {
+        "mode": "auto", "gamma_max": 4, "max_num_seqs": 32,
+        "kv_cache_bytes": KV_BLOCKS * _kv_bytes_per_block(TINY_TARGET, TEST_BLOCK_SIZE),
+        # offload on sustained pressure alone, and come back as soon as the load fits
+        "planner": {"offload_after_steps": 3, "offload_after_s": 0.0, "offload_gain": 0.0,
+                    "reload_after_s": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def auto_server(tmp_path_factory):
+    from client.dynamic_server import MODEL, write_repository
+    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    tmp = tmp_path_factory.mktemp("triton-auto")
+    repo = write_repository(tmp, auto_engine_config())
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          host="127.0.0.1", log_file=tmp / "tritonserver.log", models=[MODEL],
+                          exit_timeout_s=10)
+    server.start()
+    try:
+        server.wait_ready(240)
+    except LauncherError as e:
+        server.stop(timeout_s=20)
+        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    yield server
+    server.stop(timeout_s=60)
+
+
+class GaugeWatcher(threading.Thread):
+    """Scrapes the model's metrics every few tens of milliseconds and keeps what it saw."""
+
+    def __init__(self, server):
+        super().__init__(daemon=True)
+        self.server = server
+        self.samples: list[dict[str, float]] = []
+        self._halt = threading.Event()
+
+    def run(self):
+        while not self._halt.is_set():
+            try:
+                self.samples.append(metrics(self.server))
+            except OSError:
+                pass
+            self._halt.wait(0.025)
+
+    def stop(self):
+        self._halt.set()
+        self.join(10)
+
+    def seen(self, key: str) -> set[float]:
+        return {m[key] for m in self.samples if key in m}
+
+    def latest(self, key: str) -> float:
+        return next((m[key] for m in reversed(self.samples) if key in m), 0.0)
+
+
+def test_planner_gauges_move_with_the_load(auto_server):
+    import torch
+
+    from backend.engine import Engine
+    from backend.engine_config import EngineConfig
+    from backend.sampling_params import SamplingParams
+
+    trickle = short_prompts(24)[:3]
+    burst = short_prompts(40)[24:40]
+    tail = short_prompts(60)[40:52]
+    threads = torch.get_num_threads()
+    try:    # what plain greedy decoding gives
+        ar = Engine(EngineConfig.from_dict(auto_engine_config() | {"mode": "ar", "drafter": None}))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        expected = {p: c.text for p, c in zip(trickle + burst + tail,
+                                              ar.generate(trickle + burst + tail, params))}
+    finally:
+        torch.set_num_threads(threads)
+
+    client = GrpcClient(auto_server.grpc_url, "nightdraft", timeout_s=120)
+
+    def ask(p: str) -> str:
+        return client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).text
+
+    base_blocks = metrics(auto_server)["nightdraft_kv_cache_total_blocks"]
+    watch = GaugeWatcher(auto_server)
+    watch.start()
+    try:
+        got = {p: ask(p) for p in trickle}                        # low load: speculation
+        with ThreadPoolExecutor(len(burst)) as pool:              # a burst: KV pressure
+            got |= dict(zip(burst, pool.map(ask, burst)))
+        for p in tail:                                            # low load again
+            got[p] = ask(p)
+            if watch.latest("nightdraft_drafter_reloads_total") >= 1 and len(got) >= len(trickle) + len(burst) + 3:
+                break
+        time.sleep(0.3)
+    finally:
+        watch.stop()
+
+    assert all(got[p] == expected[p] for p in got), "auto mode changed a greedy answer"
+    gammas = watch.seen("nightdraft_spec_decode_gamma")
+    assert 0 in gammas and any(g > 0 for g in gammas), f"gamma gauge never moved: {gammas}"
+    assert 1.0 in watch.seen("nightdraft_pipeline_mode{mode=ar}")
+    assert 1.0 in watch.seen("nightdraft_pipeline_mode{mode=sd}")
+    assert 1.0 in watch.seen("nightdraft_drafter_state{state=offloaded}"), "never offloaded"
+    assert 1.0 in watch.seen("nightdraft_drafter_state{state=on_device}")
+    assert max(watch.seen("nightdraft_kv_cache_total_blocks")) > base_blocks, "the KV pool never grew"
+    assert watch.latest("nightdraft_drafter_offloads_total") >= 1
+    assert watch.latest("nightdraft_drafter_reloads_total") >= 1, "the drafter never came back"
+    assert watch.latest("nightdraft_planner_switches_total") >= 2
+    m = wait_kv_free(auto_server)
+    assert m["nightdraft_drafter_state{state=on_device}"] == 1
+    assert m["nightdraft_kv_cache_total_blocks"] == base_blocks    # given back with the drafter
