@@ -286,7 +286,7 @@ class Engine:
         self.planner.observe(ran, step_wall_s=step.t_step_s,
                              tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
                              drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
-                             prefill_tokens=step.num_prefill_tokens,
+                             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
                              forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s)
 
     def _psd_active(self) -> bool:
@@ -407,9 +407,11 @@ class Engine:
         now = time.perf_counter()
         for i, (s, (first, n)) in enumerate(zip(batch, rows)):
             seq = s.seq
-            seq.num_computed += s.num_new
-            if s.num_new > 1 or not s.completes:
+            if s.num_new > 1 or not s.completes:   # (asked before num_computed moves on)
                 step.num_prefill_tokens += s.num_new
+                if seq.num_preemptions:        # recomputing what a preemption threw away
+                    step.num_recompute_tokens += s.num_new
+            seq.num_computed += s.num_new
             if not n:
                 continue
             drafts = proposals[i].tokens if s.gamma else []

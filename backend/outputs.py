@@ -30,6 +30,7 @@ class StepStats:
     gamma: int = 0
     batch_size: int = 0
     num_prefill_tokens: int = 0
+    num_recompute_tokens: int = 0     # of those, re-fed after a preemption
     num_forward_tokens: int = 0       # tokens fed to the target's forward (prefill + decode + drafts)
     tokens_committed: int = 0
     drafted: int = 0

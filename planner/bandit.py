@@ -60,7 +60,7 @@ Context = Hashable
 class _Bin:
     """Statistics and block state of one context bin."""
 
-    __slots__ = ("n", "s", "ss", "plays", "chosen", "ewma", "ewma_n", "t", "last_seen",
+    __slots__ = ("n", "s", "ss", "plays", "chosen", "ewma", "ewma_w", "ewma_n", "t", "last_seen",
                  "block_arm", "block_left", "dwell", "visit_start", "blocks", "shifts")
 
     def __init__(self, k: int, dwell: float):
@@ -69,7 +69,8 @@ class _Bin:
         self.ss = np.zeros(k)         # discounted sums of squared losses
         self.plays = np.zeros(k, dtype=np.int64)   # steps each arm ran here (not discounted)
         self.chosen = np.zeros(k, dtype=np.int64)  # blocks started per arm
-        self.ewma = np.zeros(k)       # recent loss level per arm (change detection)
+        self.ewma = np.zeros(k)       # recent loss level per arm (change detection): EWMAs of
+        self.ewma_w = np.zeros(k)     # weight x loss and of weight, weighted like the means
         self.ewma_n = np.zeros(k, dtype=np.int64)
         self.t = 0                    # steps observed in this bin
         self.last_seen = 0            # global step of the last visit
@@ -294,10 +295,13 @@ class ContextualBandit:
         self.current = arm
         return arm
 
-    def update(self, context: Context, arm: Arm, loss: float) -> None:
-        """Report the loss of one step run with `arm` in `context`."""
-        loss = float(loss)
-        if not math.isfinite(loss):
+    def update(self, context: Context, arm: Arm, loss: float, weight: float = 1.0) -> None:
+        """Report the loss of one step run with `arm` in `context`. With a `weight` (about 1 on
+        average) the means are weighted: the planner weights a per-token loss by the step's
+        tokens, so an arm's mean is its total time over its total tokens, not the mean of the
+        steps' ratios (which favours arms whose steps commit few tokens at a time)."""
+        loss, w = float(loss), float(weight)
+        if not math.isfinite(loss) or not (w > 0 and math.isfinite(w)):
             return
         i = self._index[arm]
         b = self._bin(context)
@@ -307,28 +311,29 @@ class ContextualBandit:
             b.s *= d
             b.ss *= d
         b.t += 1
-        b.n[i] += 1.0
-        b.s[i] += loss
-        b.ss[i] += loss * loss
+        b.n[i] += w
+        b.s[i] += w * loss
+        b.ss[i] += w * loss * loss
         b.plays[i] += 1
         self._plays_total[i] += 1
         # change detection on the arm that ran
         a = self.detect_alpha
         if b.ewma_n[i] == 0:
-            b.ewma[i] = loss
+            b.ewma[i], b.ewma_w[i] = w * loss, w
         else:
-            b.ewma[i] += a * (loss - b.ewma[i])
+            b.ewma[i] += a * (w * loss - b.ewma[i])
+            b.ewma_w[i] += a * (w - b.ewma_w[i])
         b.ewma_n[i] += 1
         n = b.n[i]
         if b.ewma_n[i] >= 2.0 / a and n >= self.detect_min_n:
             m = b.s[i] / n
             sd = math.sqrt(max(b.ss[i] / n - m * m, 0.0))
             thr = max(self.detect_sigmas * sd * math.sqrt(a / (2.0 - a)), self.detect_rel * abs(m))
-            if abs(b.ewma[i] - m) > thr:
+            if abs(b.ewma[i] / b.ewma_w[i] - m) > thr:
                 self._on_shift(b, i)
 
     def _on_shift(self, b: _Bin, i: int) -> None:
-        level = float(b.ewma[i])
+        level = float(b.ewma[i] / b.ewma_w[i])
         self._shrink(b, self.shift_keep)
         # the changed arm: its old mean is wrong; believe the recent level, weakly
         k = self.shrink_to

@@ -452,7 +452,7 @@ class Planner:
             ctx = self._context(LoadSignals(batch_size=batch_size))
         tokens = max(int(tokens_committed), 1)
         tps = self._tokens_per_step.get(ctx)
-        self._tokens_per_step[ctx] = _ewma(tps, float(tokens), 0.1)
+        self._tokens_per_step[ctx] = tps = _ewma(tps, float(tokens), 0.1)
         wall = float(step_wall_s)
         self.forward_cost.observe(forward_tokens, forward_s)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
@@ -461,7 +461,8 @@ class Planner:
             wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
         if wall > 0 and math.isfinite(wall) and decision.arm in self._decisions:
             running = self._batch if self._ctx is not None else batch_size
-            self.bandit.update(ctx, decision.arm, wall / tokens * self._norm(ctx, running))
+            weight = min(max(tokens / tps, 0.1), 10.0)    # time over tokens, not mean of ratios
+            self.bandit.update(ctx, decision.arm, wall / tokens * self._norm(ctx, running), weight)
 
         if decision.mode == "ar":
             self._lag_tokens += int(tokens_committed)
