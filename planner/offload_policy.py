@@ -20,10 +20,11 @@ Under sustained pressure the planner asks for an offload when either
 
 Once offloaded, plain decoding is held while the load would not fit the drafter-on pool (a
 reload then would shrink the pool under running requests and preempt them): the pressure level
-must have fallen below ``clear_level`` and the used blocks below ``kv_pressure`` of that pool, for
-``reload_after_s`` seconds. Then the bandit may choose speculation again and the engine reloads.
-The two thresholds apart (one half to offload, ``clear_level`` to come back) are the hysteresis
-that keeps the drafter from bouncing between host and device.
+must have fallen below ``clear_level`` and the used blocks below ``reload_kv_usage`` of that pool
+(default: 0.8 x ``kv_pressure``, room for the running requests to grow), for ``reload_after_s``
+seconds. Then the bandit may choose speculation again and the engine reloads. The thresholds
+apart (a level of one half to offload, ``clear_level`` to come back; ``kv_pressure`` against
+``reload_kv_usage``) are the hysteresis that keeps the drafter from bouncing.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class OffloadPolicy:
     def __init__(self, *, offload_after_steps: int = 50, offload_after_s: float = 1.0,
                  kv_pressure: float = 0.9, gpu_memory_pressure: float = 0.95,
                  offload_gain: float = 1.05, reload_after_s: float = 1.0,
-                 clear_level: float = 0.2):
+                 clear_level: float = 0.2, reload_kv_usage: float | None = None):
         if offload_after_steps < 1:
             raise ValueError("offload_after_steps must be >= 1")
         if not 0.0 < kv_pressure <= 1.0:
@@ -48,6 +49,7 @@ class OffloadPolicy:
         self.offload_gain = float(offload_gain)
         self.reload_after_s = float(reload_after_s)
         self.clear_level = float(clear_level)
+        self.reload_kv_usage = 0.8 * self.kv_pressure if reload_kv_usage is None else float(reload_kv_usage)
         self.level = 0.0                       # EWMA of the pressure indicator
         self._alpha = 1.0 / self.offload_after_steps
         self._high_since: float | None = None  # when the level last rose above one half
@@ -70,7 +72,7 @@ class OffloadPolicy:
         else:
             self._high_since = None
         usage_at_base = s.kv_usage_at_base if s.kv_usage_at_base is not None else s.kv_usage
-        if self.level < self.clear_level and usage_at_base < self.kv_pressure:
+        if self.level < self.clear_level and usage_at_base < self.reload_kv_usage:
             if self._clear_since is None:
                 self._clear_since = now
         else:

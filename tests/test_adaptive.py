@@ -92,14 +92,16 @@ def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts
                       engine.kv.num_blocks, engine.kv.num_used_blocks))
     try:
         burst = engine.generate(prompts[:16], GREEDY, on_step=record)
-        assert engine.stats().offloads == 1
+        assert engine.stats().offloads >= 1
         offloaded = [t for t in trace if t[0] == "offloaded"]
         assert offloaded and max(t[2] for t in offloaded) > base, "the pool did not grow"
         assert max(t[3] for t in offloaded) > base, "the grown pool was not used"
         assert all(t[1] == 0 for t in offloaded), "drafted while the drafter was offloaded"
         n_burst = len(trace)
         trickle = engine.generate(prompts[16:], GREEDY, max_concurrency=1, on_step=record)
-        assert engine.stats().reloads == 1, "the drafter did not come back at low load"
+        st = engine.stats()
+        assert st.reloads == st.offloads and engine.drafter.state == "on_device", \
+            "the drafter did not come back at low load"
         back = [t for t in trace[n_burst:] if t[0] == "on_device"]
         assert any(t[1] > 0 for t in back), "speculation did not resume after the reload"
         assert engine.kv.num_blocks == base and engine.memory.preempted_for_reload == 0

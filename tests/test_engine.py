@@ -115,17 +115,41 @@ def test_per_request_opt_out_of_speculation(prompts, ar_outputs):
     assert out[0].drafted > 0
 
 
-def test_preemption_by_recompute_loses_nothing(prompts, ar_outputs):
+def test_preemption_by_recompute_loses_nothing(prompts):
     # A pool a third the size of what all 16 sequences need at once: they must take turns, and
-    # sequences admitted while there was room get preempted as the others grow.
-    tok = make_engine(drafter=None).tokenizer
-    need = [-(-(len(tok.encode(p)) + GREEDY.max_tokens) // 16) for p in prompts]
+    # sequences admitted while there was room get preempted as the others grow (they grow by 96
+    # tokens, well past the room admission leaves them).
+    long = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    ar = make_engine(drafter=None)
+    expected = [c.output_ids for c in ar.generate(prompts, long)]
+    need = [-(-(len(ar.tokenizer.encode(p)) + long.max_tokens) // 16) for p in prompts]
     blocks = max(max(need) + 2, sum(need) // 3)
     engine = make_engine(gamma=4, kv_cache_bytes=blocks * _block_bytes(), block_size=16)
-    out = engine.generate(prompts, GREEDY)
-    assert [c.output_ids for c in out] == ar_outputs
+    out = engine.generate(prompts, long)
+    assert [c.output_ids for c in out] == expected
     assert engine.stats().preemptions > 0
     assert_no_leaks(engine)
+
+
+def test_admission_leaves_running_sequences_room_to_grow():
+    from backend.kv_cache import PagedKVCache
+    from backend.request import Sequence
+    from backend.scheduler import GROWTH_HEADROOM_TOKENS, Scheduler
+    from backend.model_config import ModelConfig
+    kv = PagedKVCache.for_model(ModelConfig.from_pretrained(TINY_TARGET), 8 * _block_bytes(), block_size=16)
+    assert kv.num_blocks == 8
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=4096)
+    seqs = [Sequence(request_id=str(i), token_ids=list(range(1, 31)), num_prompt_tokens=30,
+                     params=GREEDY, detokenizer=None) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule(lambda s: 0)
+    # each needs 2 blocks for its 30 tokens and 1 more for its headroom (30 + 16 > 32). After two
+    # are admitted 4 blocks are free: a third would need 2, plus the running two's headroom (2),
+    # plus the watermark (1): it waits (admitting while any block is free would have taken it)
+    assert GROWTH_HEADROOM_TOKENS == 16
+    assert [s.seq.request_id for s in batch] == ["0", "1"]
+    assert kv.num_free_blocks == 4 and len(sched.waiting) == 2
 
 
 def _block_bytes() -> int:
