@@ -157,6 +157,7 @@ class Planner:
         self.timeline_every = max(int(timeline_every), 1)
         self._clock = clock
         self._decisions = {a: Decision(*a) for a in arms}
+        self._no_psd_arms = tuple(a for a in arms if a[0] != "psd") or None
 
         if callable(context_bins):
             self._ctx_fn = context_bins
@@ -370,11 +371,13 @@ class Planner:
         return d
 
     def _restriction(self, s: LoadSignals, now: float) -> tuple | None:
-        """The arms allowed this step: None (all), or plain decoding only while the drafter's
-        memory serves, or is about to serve, as KV cache."""
+        """The arms allowed this step: None (all); plain decoding only while the drafter's
+        memory serves, or is about to serve, as KV cache; no batch-parallel arm with a single
+        running sequence (the engine runs it as sequential SD, so the arm would never be
+        scored and, untried, it would be picked again and again)."""
         pol = self.offload_policy
         pol.update(s, now)
-        ar_only = None
+        allowed = self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
         if AR.arm in self._decisions:
             if self._offloaded:
                 self._offload_for_kv = False
@@ -387,12 +390,12 @@ class Planner:
                     self._offload_for_kv = pol.gain_pays(self.offload_gain(s))
                 hold = self._offload_for_kv
             if hold:
-                ar_only = (AR.arm,)
+                allowed = (AR.arm,)
                 self.ar_hold_steps += 1
             elif self._holding_ar:
                 self.bandit.interrupt()      # the hold ends: decide afresh, not by an old AR block
             self._holding_ar = hold
-        return ar_only
+        return allowed
 
     def offload_gain(self, s: LoadSignals) -> float | None:
         """Predicted per-token speed-up of plain decoding with the drafter offloaded (at the batch

@@ -2,6 +2,7 @@
 synthetic engine where speculation wins at small batches and plain decoding at large ones."""
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -563,3 +564,24 @@ def test_select_restricted_to_allowed_arms():
     assert b.select(0) == "b"
     with pytest.raises(ValueError):
         b.select(0, allowed=[])
+
+
+def test_no_batch_parallel_arm_for_a_single_sequence():
+    # With one running sequence the engine can only run PSD as sequential SD, and reports it so:
+    # a PSD arm would never be scored there, and as untried arms are picked first, the planner
+    # would keep picking PSD arms, i.e. a random gamma, instead of settling on the best one.
+    p = Planner(gamma_max=4, psd_available=True, seed=0)
+    rng = np.random.default_rng(0)
+    ran = []
+    for i in range(600):
+        d = p.decide(LoadSignals(batch_size=1, now=i * 0.02))
+        if d.mode == "psd":
+            d = Decision("sd", d.gamma)            # what the engine runs and reports
+        wall, _, _ = true_step(d.mode, d.gamma, 1)
+        tokens = int(min(rng.geometric(1 - ALPHA) - 1, d.gamma) + 1) if d.speculative else 1
+        p.observe(d, step_wall_s=wall, tokens_committed=tokens, batch_size=1)
+        ran.append((p.current, d))
+    assert not any(asked.mode == "psd" for asked, _ in ran), "picked a PSD arm for one sequence"
+    # per-token cost at batch 1: sd:2..4 within 5 % of each other, sd:1 20 % and ar 80 % behind
+    tail = [d for _, d in ran[-300:]]
+    assert np.mean([d.mode == "sd" and d.gamma >= 2 for d in tail]) > 0.8
