@@ -1,7 +1,7 @@
 """What the engine hands back: per-request deltas and engine-wide statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -21,6 +21,25 @@ class RequestOutput:
     num_drafted: int = 0                  # drafts proposed for this request so far
     num_accepted: int = 0                 # ... and accepted by verification
     error: str | None = None              # set with finish_reason == "error"
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[tuple[RequestOutput, int]]:
+    """Merge the outputs of the same request that are waiting to be sent into one, in order:
+    (merged output, index of its first part). A server that falls behind then sends one
+    response per request instead of one per engine step, which is what lets it catch up.
+    Nothing follows a request's final output (the engine sends none)."""
+    merged: dict[str, int] = {}
+    out: list[tuple[RequestOutput, int]] = []
+    for i, o in enumerate(outputs):
+        k = merged.get(o.request_id)
+        if k is None or out[k][0].finished:
+            merged[o.request_id] = len(out)
+            out.append((o, i))
+            continue
+        prev, first = out[k]
+        out[k] = (replace(o, new_token_ids=prev.new_token_ids + o.new_token_ids,
+                          new_text=prev.new_text + o.new_text), first)
+    return out
 
 
 @dataclass

@@ -43,7 +43,7 @@ import numpy as np
 
 from backend.engine_config import ConfigError, EngineConfig
 from backend.engine_loop import EngineLoop, EngineLoopError
-from backend.outputs import RequestOutput
+from backend.outputs import RequestOutput, coalesce
 from backend.sampling_params import InvalidRequest, SamplingParams, parse_sampling_json
 
 log = logging.getLogger("nightdraft.triton")
@@ -427,24 +427,36 @@ class _NightdraftModel:
         last_poll = time.monotonic()
         while True:
             try:
-                item = self._responses.get(timeout=CANCEL_POLL_S)
+                batch = [self._responses.get(timeout=CANCEL_POLL_S)]
             except queue.Empty:
-                item = None
-            if item is self._stop:
-                # Drain what is queued (finals from the shutdown) before leaving.
+                batch = []
+            while batch and len(batch) < 4096:   # everything queued meanwhile goes out together
+                try:
+                    batch.append(self._responses.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = any(item is self._stop for item in batch)
+            if stopping:   # drain what is queued (finals from the shutdown) before leaving
                 while True:
                     try:
-                        item = self._responses.get_nowait()
+                        batch.append(self._responses.get_nowait())
                     except queue.Empty:
-                        return
-                    if item is not self._stop:
-                        self._handle(*item)
-            if item is not None:
-                self._handle(*item)
+                        break
+            self._send_batch([item for item in batch if item is not self._stop])
+            if stopping:
+                return
             now = time.monotonic()
             if now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
                 self._poll_cancelled()
+
+    def _send_batch(self, items: list[tuple]) -> None:
+        """Send queued outputs, one response per request: a loop that falls behind the engine
+        merges each request's deltas (the first part's time is its first token's)."""
+        latest = {out.request_id: (st, t_out) for st, out, t_out in items}
+        for out, first in coalesce([out for _, out, _ in items]):
+            st, t_last = latest[out.request_id]
+            self._handle(st, out, items[first][2], t_last)
 
     def _poll_cancelled(self) -> None:
         with self._inflight_lock:
@@ -463,13 +475,14 @@ class _NightdraftModel:
                          st.client_id or st.id)
                 self.loop.abort(st.id)
 
-    def _handle(self, st: _Inflight, out: RequestOutput, t_out: float) -> None:
+    def _handle(self, st: _Inflight, out: RequestOutput, t_out: float,
+                t_last: float | None = None) -> None:
         if st.final_sent:
             return
         if out.new_token_ids:
             if st.first_token_at is None:
                 st.first_token_at = t_out
-            st.last_token_at = t_out
+            st.last_token_at = t_last or t_out
         st.num_prompt_tokens = out.num_prompt_tokens or st.num_prompt_tokens
         st.num_output_tokens = out.num_output_tokens or st.num_output_tokens
         if not out.finished:

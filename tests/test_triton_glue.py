@@ -269,3 +269,20 @@ def test_metrics_export_drafter_health_and_psd_counters():
     if hasattr(s, "psd_steps"):
         assert tm.metrics["psd_steps"].value == 10 and tm.metrics["psd_overlapped_steps"].value == 7
         assert tm.metrics["drafter_failures"].value == 2
+
+
+def test_queued_outputs_of_a_request_are_merged_in_order():
+    from backend.outputs import RequestOutput, coalesce
+    a1 = RequestOutput("a", [1], "x")
+    b1 = RequestOutput("b", [7], "p")
+    a2 = RequestOutput("a", [2, 3], "yz", num_output_tokens=3)
+    b2 = RequestOutput("b", [8], "q", finished=True, finish_reason="length", num_output_tokens=2)
+    a3 = RequestOutput("a", [], "", finished=True, finish_reason="stop", num_output_tokens=3)
+    merged = coalesce([a1, b1, a2, b2, a3])
+    assert [(o.request_id, o.new_token_ids, o.new_text, o.finished, first) for o, first in merged] == [
+        ("a", [1, 2, 3], "xyz", True, 0), ("b", [7, 8], "pq", True, 1)]
+    assert merged[0][0].finish_reason == "stop" and merged[0][0].num_output_tokens == 3
+    assert merged[1][0].finish_reason == "length"
+    assert coalesce([]) == []
+    # a single output per request passes through untouched
+    assert coalesce([a1, b1]) == [(a1, 0), (b1, 1)]
