@@ -88,6 +88,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}  # ids the step thread knows about
         self._stats = EngineStats()
         self._pending_completions: dict[str, Completion] = {}   # generate()'s own requests
+        self._prev_busy_end: float | None = None    # end of the last step that left work to do
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
         dcfg = ModelConfig.from_pretrained(config.drafter)
@@ -236,7 +237,12 @@ class Engine:
         if psd:
             self.sub_batches.end_step()
         step.mode = "psd" if in_flight is not None else "sd" if step.drafted else "ar"
-        step.t_step_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        step.t_step_s = t_end - t0
+        # From the previous busy step's end: what the caller does with each step's outputs
+        # (streaming them out, one message per request) is a cost per step too.
+        step.t_cycle_s = t_end - self._prev_busy_end if self._prev_busy_end is not None else step.t_step_s
+        self._prev_busy_end = t_end if self.scheduler.has_work() else None
         self._stats.steps += 1
         self._stats.last_step = step
         if self.planner is not None:
@@ -283,7 +289,7 @@ class Engine:
             self._spec_off_since_step = self._stats.steps
         # Score what actually ran (the drafter may still have been on its way back).
         ran = Decision(step.mode, self.gamma) if step.drafted else Decision("ar", 0)
-        self.planner.observe(ran, step_wall_s=step.t_step_s,
+        self.planner.observe(ran, step_wall_s=step.t_cycle_s,
                              tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
                              drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
                              prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,

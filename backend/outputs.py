@@ -59,6 +59,8 @@ class StepStats:
     t_verify_s: float = 0.0
     t_forward_s: float = 0.0          # the target's forward alone (inside t_verify_s)
     t_step_s: float = 0.0
+    t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
+                                      # handling of the outputs included); t_step_s after idling
 
     @property
     def overlap(self) -> float:

@@ -91,3 +91,37 @@ class OffloadPolicy:
     def may_reload(self, now: float) -> bool:
         """Would the load fit the drafter-on pool, and has it for ``reload_after_s``?"""
         return self._clear_since is not None and now - self._clear_since >= self.reload_after_s
+
+
+class OffloadCheck:
+    """Did a memory-aware offload pay? It was decided to beat a per-token latency: the best
+    speculative arm's at the batch that fitted. After ``settle_steps`` steps (for the grown pool
+    to fill), plain decoding's own per-token latency over the next ``verify_steps`` steps is the
+    verdict: paid if it is lower. A prediction that missed is given back, not held through the
+    whole overload."""
+
+    def __init__(self, baseline_s_per_token: float, settle_steps: int, verify_steps: int):
+        self.baseline = float(baseline_s_per_token)
+        self.settle_steps = int(settle_steps)
+        self.verify_steps = int(verify_steps)
+        self.steps = 0
+        self.counted = False           # the planner has tallied the verdict
+        self._wall = 0.0
+        self._tokens = 0
+
+    def observe(self, wall_s: float, tokens: int) -> None:
+        self.steps += 1
+        if self.steps > self.settle_steps:
+            self._wall += wall_s
+            self._tokens += tokens
+
+    @property
+    def delivered_s_per_token(self) -> float | None:
+        return self._wall / self._tokens if self._tokens else None
+
+    @property
+    def verdict(self) -> bool | None:
+        """True (paid), False (did not), None (still measuring)."""
+        if self.steps < self.settle_steps + self.verify_steps or not self._tokens:
+            return None
+        return self.delivered_s_per_token < self.baseline

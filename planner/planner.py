@@ -48,7 +48,7 @@ from typing import Callable, Hashable
 
 from .bandit import ContextualBandit
 from .cost_model import CostProfile, expected_tokens_per_call, predict
-from .offload_policy import OffloadPolicy
+from .offload_policy import OffloadCheck, OffloadPolicy
 from .step_costs import ForwardCost
 from .signals import LoadSignals
 
@@ -213,6 +213,10 @@ class Planner:
         self._wanted_offload = False
         self._offload_for_kv = False     # the memory-aware rule wants the drafter's bytes as KV
         self._holding_ar = False         # offloaded, and the load does not fit the base pool
+        self._claim: float | None = None        # per-token latency the offload is to beat
+        self.offload_check: OffloadCheck | None = None
+        self._gain_road_closed = False   # an offload did not pay: not again in this overload
+        self.offload_verdicts = {"paid": 0, "missed": 0}
         self.ar_hold_steps = 0
         self._timeline: list[tuple] = []
         self._timeline_stride = 1
@@ -379,15 +383,20 @@ class Planner:
         pol.update(s, now)
         allowed = self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
         if AR.arm in self._decisions:
+            if pol.level < pol.clear_level:
+                self._gain_road_closed = False           # that overload is over
             if self._offloaded:
                 self._offload_for_kv = False
-                hold = not pol.may_reload(now)
+                hold = not pol.may_reload(now) and not self._offload_missed()
             else:
-                if not pol.sustained(now):
+                self.offload_check = None
+                if not pol.sustained(now) or self._gain_road_closed:
                     self._offload_for_kv = False
                 elif (not self._offload_for_kv and s.kv_growth_if_offloaded is not None
                       and self.steps % self.gain_check_every == 0):
-                    self._offload_for_kv = pol.gain_pays(self.offload_gain(s))
+                    est = self._offload_estimate(s)
+                    self._offload_for_kv = pol.gain_pays(est[0] if est else None)
+                    self._claim = est[1] if est and self._offload_for_kv else None
                 hold = self._offload_for_kv
             if hold:
                 allowed = (AR.arm,)
@@ -397,7 +406,30 @@ class Planner:
             self._holding_ar = hold
         return allowed
 
+    def _offload_missed(self) -> bool:
+        """Has the running memory-aware offload been measured not to pay? Then the hold ends
+        (speculation may come back, preempting what the smaller pool cannot keep) and the
+        memory-aware road stays closed until this overload is over."""
+        if self._claim is not None and self.offload_check is None:
+            n = self.offload_after_steps
+            self.offload_check = OffloadCheck(self._claim, settle_steps=n, verify_steps=2 * n)
+            self._claim = None
+        chk = self.offload_check
+        if chk is None or chk.verdict is None:
+            return False
+        if not chk.counted:
+            chk.counted = True
+            self.offload_verdicts["paid" if chk.verdict else "missed"] += 1
+            if not chk.verdict:
+                self._gain_road_closed = True
+        return not chk.verdict
+
     def offload_gain(self, s: LoadSignals) -> float | None:
+        est = self._offload_estimate(s)
+        return est[0] if est is not None else None
+
+    def _offload_estimate(self, s: LoadSignals) -> tuple[float, float] | None:
+        """(gain, the best speculative arm's per-token latency now) for :meth:`offload_gain`."""
         """Predicted per-token speed-up of plain decoding with the drafter offloaded (at the batch
         the grown pool would admit) over the best speculative arm now (at the batch that fits):
         > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
@@ -424,12 +456,12 @@ class Planner:
         ar_here = self.bandit.means(ctx).get(AR.arm)
         ratio = self.forward_cost.per_token_ratio(b, b2)
         if ratio is not None and ar_here is not None and ar_here[1] >= self.gain_min_obs:
-            return spec_now / (ar_here[0] / self._norm(ctx, b) * ratio)
+            return spec_now / (ar_here[0] / self._norm(ctx, b) * ratio), spec_now
         ctx2 = self._context(LoadSignals(batch_size=b2i, waiting=s.waiting))
         for c in (ctx2, ctx):
             m = self.bandit.means(c).get(AR.arm)
             if m is not None and m[1] >= self.gain_min_obs:
-                return spec_now / (m[0] / self._norm(c, b2i))
+                return spec_now / (m[0] / self._norm(c, b2i)), spec_now
         return None
 
     def _record(self, now: float, d: Decision, batch: int) -> None:
@@ -467,6 +499,8 @@ class Planner:
             weight = min(max(tokens / tps, 0.1), 10.0)    # time over tokens, not mean of ratios
             self.bandit.update(ctx, decision.arm, wall / tokens * self._norm(ctx, running), weight)
 
+        if self.offload_check is not None and decision.mode == "ar" and math.isfinite(wall):
+            self.offload_check.observe(wall, tokens)
         if decision.mode == "ar":
             self._lag_tokens += int(tokens_committed)
             self._off_steps += 1
@@ -556,7 +590,8 @@ class Planner:
             "offload_requests": self.offload_requests,
             "ar_hold_steps": self.ar_hold_steps,
             "memory": {"pressure_level": self.offload_policy.level,
-                       "last_offload_gain": self.offload_policy.last_gain},
+                       "last_offload_gain": self.offload_policy.last_gain,
+                       "offload_verdicts": dict(self.offload_verdicts)},
             "shifts": b.shifts,
             "stale_resets": b.stale_resets,
             "current": str(self._current) if self._current is not None else None,
