@@ -43,6 +43,7 @@ from .prompts import load_prompts
 CONFIGS = ("ar", "sd", "psd", "adaptive", "adaptive_no_offload")
 PHASES = (("low", 0.25, 1.0), ("high", 1.6, 1.5), ("low", 0.25, 1.0))   # name, rate x capacity, length x base
 BASE_PHASE_S = 20.0
+TIMELINE_EVERY_S = 0.25     # the timeline records every change of mode, and samples the queue
 
 
 def add_dynamic_parser(bench_sub) -> None:
@@ -60,12 +61,13 @@ def add_dynamic_parser(bench_sub) -> None:
     p.add_argument("--server", action="store_true",
                    help="through a real tritonserver over gRPC (one server per configuration)")
     p.add_argument("--capacity", type=float, default=None,
-                   help="requests/s plain decoding sustains (default: measured first)")
+                   help="requests/s plain decoding sustains (default: measured first, the same way "
+                        "the runs go: in-process, or through the server)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--gamma", type=int, default=3, help="gamma of the fixed sd and psd configs")
     p.add_argument("--gamma-max", type=int, default=4, help="the planner's largest gamma")
-    p.add_argument("--kv-blocks", type=int, default=96,
+    p.add_argument("--kv-blocks", type=int, default=64,
                    help="target KV pool in blocks of 16 tokens (tight, so the high phase queues)")
     p.add_argument("--planner", default=None, help="planner settings for the adaptive configs (JSON)")
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -165,7 +167,7 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
         st = engine.stats()
         mode = st.last_step.mode if st.last_step is not None else "ar"
         state = (mode, st.gamma if mode != "ar" else 0, st.drafter_state, st.kv_total_blocks)
-        if state != last_state:
+        if state != last_state or t - timeline[-1]["t"] >= TIMELINE_EVERY_S:
             timeline.append({"t": t, "mode": state[0], "gamma": state[1], "drafter": state[2],
                              "kv_blocks": state[3], "running": st.num_running, "waiting": st.num_waiting})
             last_state = state
@@ -214,7 +216,13 @@ def run_dynamic_cli(args) -> int:
     prompts = load_prompts(args.prompts)
     cores = sorted(os.sched_getaffinity(0))
     _place_target(cores)
-    capacity = args.capacity or measure_capacity(args, prompts)
+    if args.capacity:
+        capacity = args.capacity
+    elif args.server:         # the server has costs of its own (gRPC, the Python backend)
+        from .dynamic_server import measure_capacity_on_server
+        capacity = measure_capacity_on_server(engine_config("ar", args), prompts, args)
+    else:
+        capacity = measure_capacity(args, prompts)
     arrivals, bounds = schedule(prompts, capacity, args.scale, args.seed)
     where = "through tritonserver (gRPC)" if args.server else "in-process"
     print(f"capacity ~{capacity:.2f} req/s; {len(arrivals)} requests over {bounds[-1][1]:.0f} s in "

@@ -171,6 +171,8 @@ def draw(report: dict, path: str) -> None:
                  label=f"{name}: gamma (negative: psd)", color=colours[name], lw=0.8, alpha=0.8)
         ax2.step(xs, [e["running"] for e in tl], where="post", color=colours[name], lw=0.8,
                  label=f"{name}: running requests")
+        ax2.step(xs, [e["waiting"] for e in tl], where="post", color=colours[name], lw=0.8, ls=":",
+                 label=f"{name}: waiting requests")
         if any("kv_blocks" in e for e in tl):
             ax2.step(xs, [e.get("kv_blocks", 0) for e in tl], where="post", color=colours[name],
                      ls="--", lw=1.0, label=f"{name}: target KV blocks")

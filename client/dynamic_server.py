@@ -11,6 +11,7 @@ counters.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -87,7 +88,7 @@ class _Scraper(threading.Thread):
                             self.events.append({"t": t, "kind": kind,
                                                 "target_kv_blocks": s.get("kv_blocks", 0), "seconds": 0.0})
                 if prev is None or any(s.get(k) != prev.get(k) for k in ("mode", "gamma", "drafter", "kv_blocks")) \
-                        or not self.timeline or t - self.timeline[-1]["t"] >= 1.0:
+                        or not self.timeline or t - self.timeline[-1]["t"] >= 0.5:
                     self.timeline.append({"t": t, **{k: s.get(k, 0) for k in (
                         "mode", "gamma", "drafter", "running", "waiting", "kv_blocks")}})
                 self.last = s
@@ -98,29 +99,49 @@ class _Scraper(threading.Thread):
         self.join(timeout=10)
 
 
-def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2) -> RunResult:
+@contextlib.contextmanager
+def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
+    """A tritonserver running `engine_config`, warmed up; yields (client, metrics URL)."""
     from .launcher import TritonServer, free_port
-    from .triton_client import ClientError, GrpcClient
+    from .triton_client import GrpcClient
 
     with tempfile.TemporaryDirectory(prefix="nightdraft-dynamic-") as tmp:
         repo = write_repository(Path(tmp), engine_config)
-        log_file = Path(tmp) / "tritonserver.log"
         server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(),
-                              metrics_port=free_port(), host="127.0.0.1", log_file=log_file,
-                              models=[MODEL], exit_timeout_s=10)
+                              metrics_port=free_port(), host="127.0.0.1",
+                              log_file=Path(tmp) / "tritonserver.log", models=[MODEL], exit_timeout_s=10)
         server.start()
         try:
             server.wait_ready(READY_TIMEOUT_S)
             client = GrpcClient(server.grpc_url, MODEL, timeout_s=600.0)
-            for p in (arrivals[0].prompt, arrivals[-1].prompt):     # warm-up, not measured
-                for _ in client.stream(p, max_tokens=4, temperature=args.temperature, ignore_eos=True):
+            for p in warmup_prompts:                       # not measured
+                for _ in client.stream(p, max_tokens=4, temperature=temperature, ignore_eos=True):
                     pass
-            return _replay(client, server.metrics_url, arrivals, bounds, args, scrape_s, ClientError)
+            yield client, server.metrics_url
         except Exception:
             print(f"tritonserver log tail:\n{server.log_tail(40)}", file=sys.stderr)
             raise
         finally:
             server.stop(timeout_s=30)
+
+
+def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) -> float:
+    """Requests/s the server sustains with 16 streams in flight (a quick closed-loop probe)."""
+    with serving(engine_config, prompts[:2], args.temperature) as (client, _):
+        def one(p: str) -> None:
+            for _ in client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   ignore_eos=True):
+                pass
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(one, prompts[:32]))
+        return 32 / (time.monotonic() - t0)
+
+
+def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2) -> RunResult:
+    from .triton_client import ClientError
+    with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature) as (client, url):
+        return _replay(client, url, arrivals, bounds, args, scrape_s, ClientError)
 
 
 def _replay(client, metrics_url, arrivals, bounds, args, scrape_s, client_error) -> RunResult:
