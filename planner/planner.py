@@ -429,8 +429,8 @@ class Planner:
         return est[0] if est is not None else None
 
     def _offload_estimate(self, s: LoadSignals) -> tuple[float, float] | None:
-        """(gain, the best speculative arm's per-token latency now) for :meth:`offload_gain`."""
-        """Predicted per-token speed-up of plain decoding with the drafter offloaded (at the batch
+        """(gain, the best speculative arm's per-token latency now). The gain is the predicted
+        per-token speed-up of plain decoding with the drafter offloaded (at the batch
         the grown pool would admit) over the best speculative arm now (at the batch that fits):
         > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
         arms' means in this bin, AR's taken to the bigger batch by the target forward's cost
