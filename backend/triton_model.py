@@ -49,6 +49,7 @@ from backend.sampling_params import InvalidRequest, SamplingParams, parse_sampli
 log = logging.getLogger("nightdraft.triton")
 
 CANCEL_POLL_S = 0.05
+PLANNER_SUMMARY = "planner summary: "      # prefix of the JSON line logged at unload
 # Sampling knobs that may also come as tensor inputs (they win over sampling_parameters).
 _SAMPLING_TENSORS = ("ignore_eos", "min_tokens")
 # Keys of request parameters / sampling_parameters that are request options, not sampling knobs.
@@ -366,6 +367,13 @@ class _NightdraftModel:
                 self.metrics.update_from_stats(self.engine.stats(), force=True)
             except Exception:
                 log.exception("final metrics update failed")
+        planner = getattr(self.engine, "planner", None)
+        if planner is not None:   # what mode auto did over the model's life, for the operator
+            try:
+                log.info("%s: %s%s", self.model_name, PLANNER_SUMMARY,
+                         json.dumps(planner.summary(), default=str))
+            except Exception:
+                log.exception("planner summary failed")
         close = getattr(self.engine, "close", None)   # the drafter worker, the metrics scraper
         if close is not None:
             try:

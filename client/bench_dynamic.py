@@ -181,7 +181,21 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
         ps = engine.planner.stats()
         run.switches = ps["switches"]
         run.arm_counts = {str(k): v for k, v in ps["arm_counts"].items()}
+        run.planner_summary = engine.planner.summary()
     return run
+
+
+def _planner_line(run: RunResult) -> str:
+    """Switches and offloads of an adaptive run, with what each memory-aware offload promised."""
+    ps = run.planner_summary
+    if not ps:
+        return ""
+    offloads = sum(e["kind"] == "offload" for e in run.events)
+    claims = ", ".join(f"x{c['predicted_gain']:.2f} promised"
+                       + (f", x{c['baseline_s_per_token'] / c['delivered_s_per_token']:.2f} delivered"
+                          if c.get("delivered_s_per_token") else "")
+                       for c in ps.get("memory", {}).get("offload_claims", []))
+    return f"; {ps.get('switches', 0)} switches, {offloads} offloads" + (f" ({claims})" if claims else "")
 
 
 def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
@@ -238,8 +252,8 @@ def run_dynamic_cli(args) -> int:
             s = report_mod.summarise(run)["overall"]
             print(f"  [{rep + 1}/{args.repeats}] {name:<20} {time.perf_counter() - t0:5.1f} s: "
                   f"{s['throughput_tok_s']:.0f} tok/s, TTFT {s['ttft_mean_s']:.3f} s, "
-                  f"e2e {s['e2e_mean_s']:.3f} s" + (f", {s['failed']} failed" if s["failed"] else ""),
-                  file=sys.stderr)
+                  f"e2e {s['e2e_mean_s']:.3f} s" + (f", {s['failed']} failed" if s["failed"] else "")
+                  + _planner_line(run), file=sys.stderr)
     os.sched_setaffinity(0, cores)
 
     summaries = {n: [report_mod.summarise(r) for r in rs] for n, rs in runs.items()}
@@ -251,6 +265,7 @@ def run_dynamic_cli(args) -> int:
         if n.startswith("adaptive"):
             configs[n]["switches"] = [r.switches for r in runs[n]]
             configs[n]["offloads"] = [sum(e["kind"] == "offload" for e in r.events) for r in runs[n]]
+            configs[n]["planner_summaries"] = [r.planner_summary for r in runs[n]]
     planner_info = {}
     for n in ("adaptive", "adaptive_no_offload"):
         if n in runs:

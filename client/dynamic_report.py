@@ -36,6 +36,7 @@ class RunResult:
     events: list[dict] = field(default_factory=list)     # offload / reload events
     switches: int = 0
     arm_counts: dict = field(default_factory=dict)
+    planner_summary: dict = field(default_factory=dict)   # Planner.summary() at the end
 
 
 def request_metrics(records: list[Record], start: float, end: float | None = None) -> dict:

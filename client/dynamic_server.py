@@ -7,7 +7,8 @@ time on its own gRPC stream (the client threads live in this process). TTFT and 
 latency are what the client sees. The planner's state comes from the model's own metrics: the
 endpoint is scraped every ``scrape_s`` for the gamma, pipeline-mode and drafter-state gauges, the
 running/waiting requests and the target KV pool's size, and the offload, reload and switch
-counters.
+counters; the planner's own summary (arm counts, what each offload promised and delivered) is read
+from the line the model logs at unload.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .dynamic_report import Record, RunResult
@@ -99,37 +101,68 @@ class _Scraper(threading.Thread):
         self.join(timeout=10)
 
 
+@dataclass
+class Served:
+    client: object
+    metrics_url: str
+    planner_summary: dict = field(default_factory=dict)   # logged by the model at unload
+
+
+def planner_summary_from_log(text: str) -> dict:
+    """The last planner summary the model logged (an empty dict if none)."""
+    from backend.triton_model import PLANNER_SUMMARY
+    found = {}
+    for line in text.splitlines():
+        if PLANNER_SUMMARY not in line:
+            continue
+        # tritonserver writes a message as a JSON string literal: I1201 ... file.py:75] "..."
+        quote = line.find('"')
+        if quote >= 0 and line.endswith('"'):
+            try:
+                line = json.loads(line[quote:])
+            except json.JSONDecodeError:
+                pass
+        try:
+            found = json.loads(line[line.find(PLANNER_SUMMARY) + len(PLANNER_SUMMARY):])
+        except json.JSONDecodeError:
+            pass
+    return found
+
+
 @contextlib.contextmanager
 def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
-    """A tritonserver running `engine_config`, warmed up; yields (client, metrics URL)."""
+    """A tritonserver running `engine_config`, warmed up; yields a :class:`Served` whose
+    ``planner_summary`` is filled in once the server has stopped."""
     from .launcher import TritonServer, free_port
     from .triton_client import GrpcClient
 
     with tempfile.TemporaryDirectory(prefix="nightdraft-dynamic-") as tmp:
         repo = write_repository(Path(tmp), engine_config)
+        log_file = Path(tmp) / "tritonserver.log"
         server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(),
                               metrics_port=free_port(), host="127.0.0.1",
-                              log_file=Path(tmp) / "tritonserver.log", models=[MODEL], exit_timeout_s=10)
+                              log_file=log_file, models=[MODEL], exit_timeout_s=10)
         server.start()
         try:
             server.wait_ready(READY_TIMEOUT_S)
-            client = GrpcClient(server.grpc_url, MODEL, timeout_s=600.0)
+            served = Served(GrpcClient(server.grpc_url, MODEL, timeout_s=600.0), server.metrics_url)
             for p in warmup_prompts:                       # not measured
-                for _ in client.stream(p, max_tokens=4, temperature=temperature, ignore_eos=True):
+                for _ in served.client.stream(p, max_tokens=4, temperature=temperature, ignore_eos=True):
                     pass
-            yield client, server.metrics_url
+            yield served
         except Exception:
             print(f"tritonserver log tail:\n{server.log_tail(40)}", file=sys.stderr)
             raise
         finally:
             server.stop(timeout_s=30)
+        served.planner_summary = planner_summary_from_log(log_file.read_text(errors="replace"))
 
 
 def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) -> float:
     """Requests/s the server sustains with 16 streams in flight (a quick closed-loop probe)."""
-    with serving(engine_config, prompts[:2], args.temperature) as (client, _):
+    with serving(engine_config, prompts[:2], args.temperature) as served:
         def one(p: str) -> None:
-            for _ in client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature,
+            for _ in served.client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature,
                                    ignore_eos=True):
                 pass
         t0 = time.monotonic()
@@ -140,8 +173,11 @@ def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) ->
 
 def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2) -> RunResult:
     from .triton_client import ClientError
-    with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature) as (client, url):
-        return _replay(client, url, arrivals, bounds, args, scrape_s, ClientError)
+    with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature) as served:
+        run = _replay(served.client, served.metrics_url, arrivals, bounds, args, scrape_s, ClientError)
+    run.planner_summary = served.planner_summary
+    run.arm_counts = served.planner_summary.get("arm_counts", {})
+    return run
 
 
 def _replay(client, metrics_url, arrivals, bounds, args, scrape_s, client_error) -> RunResult:

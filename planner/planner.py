@@ -213,7 +213,8 @@ class Planner:
         self._wanted_offload = False
         self._offload_for_kv = False     # the memory-aware rule wants the drafter's bytes as KV
         self._holding_ar = False         # offloaded, and the load does not fit the base pool
-        self._claim: float | None = None        # per-token latency the offload is to beat
+        self._claim: tuple[float, float] | None = None   # (gain, per-token latency) an offload is to beat
+        self.offload_claims: list[dict] = []    # the memory-aware offloads: promised and delivered
         self.offload_check: OffloadCheck | None = None
         self._gain_road_closed = False   # an offload did not pay: not again in this overload
         self.offload_verdicts = {"paid": 0, "missed": 0}
@@ -396,7 +397,7 @@ class Planner:
                       and self.steps % self.gain_check_every == 0):
                     est = self._offload_estimate(s)
                     self._offload_for_kv = pol.gain_pays(est[0] if est else None)
-                    self._claim = est[1] if est and self._offload_for_kv else None
+                    self._claim = est if est and self._offload_for_kv else None
                 hold = self._offload_for_kv
             if hold:
                 allowed = (AR.arm,)
@@ -412,7 +413,10 @@ class Planner:
         memory-aware road stays closed until this overload is over."""
         if self._claim is not None and self.offload_check is None:
             n = self.offload_after_steps
-            self.offload_check = OffloadCheck(self._claim, settle_steps=n, verify_steps=2 * n)
+            gain, baseline = self._claim
+            self.offload_check = OffloadCheck(baseline, settle_steps=n, verify_steps=2 * n)
+            self.offload_claims = self.offload_claims[-15:] + [
+                {"step": self.steps, "predicted_gain": gain, "baseline_s_per_token": baseline}]
             self._claim = None
         chk = self.offload_check
         if chk is None or chk.verdict is None:
@@ -420,6 +424,8 @@ class Planner:
         if not chk.counted:
             chk.counted = True
             self.offload_verdicts["paid" if chk.verdict else "missed"] += 1
+            self.offload_claims[-1].update(delivered_s_per_token=chk.delivered_s_per_token,
+                                           paid=chk.verdict)
             if not chk.verdict:
                 self._gain_road_closed = True
         return not chk.verdict
@@ -567,6 +573,15 @@ class Planner:
         change and every ``timeline_every`` steps (thinned to stay under ``timeline_max``)."""
         return list(self._timeline)
 
+    def summary(self) -> dict:
+        """The counters of :meth:`stats`, without the per-bin detail and the timeline: small
+        enough for a log line."""
+        keep = ("steps", "switches", "mode_switches", "drafter_turn_ons", "offload_requests",
+                "ar_hold_steps", "memory", "current", "arm_counts", "switch_cost",
+                "alpha_estimate", "forward_s_per_token")
+        st = self.stats()
+        return {k: st[k] for k in keep}
+
     def stats(self) -> dict:
         b = self.bandit
         per = {}
@@ -591,7 +606,8 @@ class Planner:
             "ar_hold_steps": self.ar_hold_steps,
             "memory": {"pressure_level": self.offload_policy.level,
                        "last_offload_gain": self.offload_policy.last_gain,
-                       "offload_verdicts": dict(self.offload_verdicts)},
+                       "offload_verdicts": dict(self.offload_verdicts),
+                       "offload_claims": [dict(c) for c in self.offload_claims]},
             "shifts": b.shifts,
             "stale_resets": b.stale_resets,
             "current": str(self._current) if self._current is not None else None,

@@ -138,3 +138,17 @@ def test_planner_gauges_move_with_the_load(auto_server):
     m = wait_kv_free(auto_server)
     assert m["nightdraft_drafter_state{state=on_device}"] == 1
     assert m["nightdraft_kv_cache_total_blocks"] == base_blocks    # given back with the drafter
+
+
+def test_the_planner_summary_is_logged_at_unload(auto_server):
+    # Runs after the gauge test (same module server): at unload the model logs what the planner
+    # did over its life, which `bench dynamic --server` reads back from the server log.
+    from client.dynamic_server import planner_summary_from_log
+
+    auto_server.stop(timeout_s=60)
+    summary = planner_summary_from_log(auto_server.log_file.read_text(errors="replace"))
+    assert summary, "no planner summary in the server log"
+    assert summary["steps"] > 0 and summary["switches"] >= 2
+    assert summary["arm_counts"].get("ar", 0) > 0
+    assert any(arm.startswith("sd:") for arm in summary["arm_counts"])
+    assert summary["offload_requests"] >= 1
