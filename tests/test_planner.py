@@ -603,6 +603,11 @@ def test_an_offload_that_does_not_deliver_is_given_back():
     high = [eng.step(30)[0] for _ in range(1500)]
     assert eng.offloads == 1 and eng.reloads == 1, (eng.offloads, eng.reloads)
     assert p.stats()["memory"]["offload_verdicts"] == {"paid": 0, "missed": 1}
+    # what it promised and what it delivered, in the summary the Triton model logs at unload
+    (claim,) = p.summary()["memory"]["offload_claims"]
+    assert claim["predicted_gain"] >= 1.05 and claim["paid"] is False
+    assert claim["delivered_s_per_token"] > claim["baseline_s_per_token"]
+    assert "timeline" not in p.summary() and "per_context" not in p.summary()
     assert np.mean([d.speculative for d in high[-500:]]) > 0.8
     p.offload_policy.last_gain = None
     for _ in range(300):
@@ -617,18 +622,3 @@ def test_an_offload_that_does_not_deliver_is_given_back():
     assert p.offload_policy.last_gain is not None and p.offload_policy.last_gain < 1.05
     assert eng.offloads == 1
 
-
-def test_an_offload_claim_records_what_was_promised_and_delivered():
-    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20,
-                offload_after_s=0.0, reload_after_s=0.05)
-    eng = KVBoundEngine(p, offloaded_slowdown=1.4)
-    for _ in range(300):
-        eng.step(2)
-    for _ in range(1500):
-        eng.step(30)
-    claims = p.summary()["memory"]["offload_claims"]
-    assert len(claims) == 1
-    c = claims[0]
-    assert c["predicted_gain"] >= 1.05 and c["paid"] is False
-    assert c["delivered_s_per_token"] > c["baseline_s_per_token"]
-    assert "timeline" not in p.summary() and "per_context" not in p.summary()
