@@ -51,6 +51,8 @@ class Drafter:
         self._kv_blocks = kv_cache.num_blocks
         self._block_size = kv_cache.block_size
         self._kv_dtype = kv_cache.dtype
+        # the weights' size does not change when they move: counted once, not on every step
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self._seqs: dict[str, _SeqState] = {}
         self._seed_source = make_generator(seed)
         self._host_weights: dict[str, torch.Tensor] | None = None
@@ -88,8 +90,7 @@ class Drafter:
         """Bytes this drafter holds on its device: weights plus KV pool."""
         if self.offloaded:
             return 0
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return weights + self._kv_bytes()
+        return self._weight_bytes + self._kv_bytes()
 
     def _kv_bytes(self) -> int:
         return self._kv_blocks * PagedKVCache.bytes_per_block(self.model.config, self._block_size,

@@ -173,15 +173,13 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
             last_state = state
     events = []
     if getattr(engine, "memory", None) is not None:
-        t_start = start
-        events = [{"t": e.t - t_start, "kind": e.kind, "target_kv_blocks": e.target_kv_blocks,
+        events = [{"t": e.t - start, "kind": e.kind, "target_kv_blocks": e.target_kv_blocks,
                    "seconds": e.seconds} for e in engine.memory.events]
     run = RunResult(records, list(bounds), timeline, events)
     if engine.planner is not None:
-        ps = engine.planner.stats()
-        run.switches = ps["switches"]
-        run.arm_counts = {str(k): v for k, v in ps["arm_counts"].items()}
         run.planner_summary = engine.planner.summary()
+        run.switches = run.planner_summary["switches"]
+        run.arm_counts = run.planner_summary["arm_counts"]
     return run
 
 

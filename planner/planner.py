@@ -576,13 +576,35 @@ class Planner:
     def summary(self) -> dict:
         """The counters of :meth:`stats`, without the per-bin detail and the timeline: small
         enough for a log line."""
-        keep = ("steps", "switches", "mode_switches", "drafter_turn_ons", "offload_requests",
-                "ar_hold_steps", "memory", "current", "arm_counts", "switch_cost",
-                "alpha_estimate", "forward_s_per_token")
-        st = self.stats()
-        return {k: st[k] for k in keep}
+        b = self.bandit
+        return {
+            "steps": self.steps,
+            "switches": b.switches,
+            "mode_switches": self.mode_switches,
+            "drafter_turn_ons": self.drafter_turn_ons,
+            "offload_requests": self.offload_requests,
+            "ar_hold_steps": self.ar_hold_steps,
+            "memory": {"pressure_level": self.offload_policy.level,
+                       "last_offload_gain": self.offload_policy.last_gain,
+                       "offload_verdicts": dict(self.offload_verdicts),
+                       "offload_claims": [dict(c) for c in self.offload_claims]},
+            "current": str(self._current) if self._current is not None else None,
+            "arm_counts": {_arm_str(a): n for a, n in b.arm_counts().items()},
+            "switch_cost": {
+                "rebuild_s_per_token": self._rebuild_per_tok,
+                "reload_s": self._reload_s,
+                "rebuild_samples": self.rebuild_samples,
+                "reload_samples": self.reload_samples,
+                "lag_tokens": self.lag_tokens(),
+                "turn_on_cost_s_now": self.estimated_switch_cost_s(),
+                "drafter_offloaded": self._offloaded,
+            },
+            "alpha_estimate": self.alpha_estimate(),
+            "forward_s_per_token": self.forward_cost.seconds_per_token,
+        }
 
     def stats(self) -> dict:
+        """:meth:`summary`, plus the bandit's shift counters, per-bin detail and the timeline."""
         b = self.bandit
         per = {}
         for ctx in b.contexts:
@@ -597,36 +619,8 @@ class Planner:
                 "plays": {_arm_str(a): int(bs.plays[i]) for i, a in enumerate(b.arms) if bs.plays[i]},
                 "mean_loss": {_arm_str(a): m for a, (m, _) in means.items()},
             }
-        return {
-            "steps": self.steps,
-            "switches": b.switches,
-            "mode_switches": self.mode_switches,
-            "drafter_turn_ons": self.drafter_turn_ons,
-            "offload_requests": self.offload_requests,
-            "ar_hold_steps": self.ar_hold_steps,
-            "memory": {"pressure_level": self.offload_policy.level,
-                       "last_offload_gain": self.offload_policy.last_gain,
-                       "offload_verdicts": dict(self.offload_verdicts),
-                       "offload_claims": [dict(c) for c in self.offload_claims]},
-            "shifts": b.shifts,
-            "stale_resets": b.stale_resets,
-            "current": str(self._current) if self._current is not None else None,
-            "arm_counts": {_arm_str(a): n for a, n in b.arm_counts().items()},
-            "per_context": per,
-            "switch_cost": {
-                "rebuild_s_per_token": self._rebuild_per_tok,
-                "reload_s": self._reload_s,
-                "rebuild_samples": self.rebuild_samples,
-                "reload_samples": self.reload_samples,
-                "lag_tokens": self.lag_tokens(),
-                "turn_on_cost_s_now": self.estimated_switch_cost_s(),
-                "drafter_offloaded": self._offloaded,
-            },
-            "alpha_estimate": self.alpha_estimate(),
-            "forward_s_per_token": self.forward_cost.seconds_per_token,
-            "timeline": self.timeline(),
-        }
-
+        return self.summary() | {"shifts": b.shifts, "stale_resets": b.stale_resets,
+                                 "per_context": per, "timeline": self.timeline()}
 
 def _arm_str(arm) -> str:
     return "ar" if arm[0] == "ar" else f"{arm[0]}:{arm[1]}"
