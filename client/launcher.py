@@ -14,6 +14,12 @@ The server runs with this environment's ``bin`` first on ``PATH`` (the Python ba
 the first ``python3`` on ``PATH``, so models import this environment's packages), the wheel's
 shared libraries on ``LD_LIBRARY_PATH``, and ``$NIGHTDRAFT_ROOT`` naming the directory that
 holds the ``backend`` package (the models' ``model.py`` use it when the package is not installed).
+
+Security defaults: the server listens on 127.0.0.1 unless told otherwise (``--host``), and
+Triton's administrative APIs (:data:`RESTRICTED_APIS`: model load/unload, shared-memory
+registration, tracing, logging) answer only requests that carry the admin key in the header
+:data:`ADMIN_KEY_HEADER` (gRPC: :data:`GRPC_ADMIN_KEY_HEADER`). The key is ``--admin-key``, else
+``$NIGHTDRAFT_ADMIN_KEY``, else a random one per start that is never shown, which closes them.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -38,6 +46,17 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+
+# Triton's API groups that administer the server rather than serve it: load/unload a model (with a
+# config override that is code execution through the Python backend), register host memory
+# regions, start tracing, change logging. Inference, health, metadata and statistics stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_KEY_ENV = "NIGHTDRAFT_ADMIN_KEY"
+ADMIN_KEY_HEADER = "nightdraft-admin-key"
+# Triton 2.51 expects the gRPC metadata key with this prefix (it says so when it refuses a call).
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
+# Triton parses "<apis>:<key>=<value>", and the value travels in a header: no separators, no spaces.
+_ADMIN_KEY_RE = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 
 
 class LauncherError(RuntimeError):
@@ -200,15 +219,29 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the launcher
 
 
+def resolve_admin_key(explicit: str | None, env: dict[str, str]) -> str:
+    """The key for the restricted APIs: ``explicit``, else ``$NIGHTDRAFT_ADMIN_KEY`` (empty counts
+    as unset, as compose passes an unset variable), else a random one nobody is told."""
+    key = explicit if explicit is not None else env.get(ADMIN_KEY_ENV) or None
+    if key is None:
+        return secrets.token_urlsafe(32)
+    if not _ADMIN_KEY_RE.fullmatch(key):
+        raise LauncherError(f"the admin key ({'--admin-key' if explicit is not None else '$' + ADMIN_KEY_ENV}) "
+                            "must be at least 16 characters of A-Z a-z 0-9 . _ ~ + / - "
+                            "(e.g. openssl rand -hex 32)")
+    return key
+
+
 class TritonServer:
     """A ``tritonserver`` child process. Use as a context manager or start()/stop()."""
 
     def __init__(self, model_repository: str | os.PathLike = DEFAULT_MODEL_REPOSITORY, *,
                  http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                 host: str = "0.0.0.0", tritonserver: str | os.PathLike | None = None,
+                 host: str = "127.0.0.1", tritonserver: str | os.PathLike | None = None,
                  log_file: str | os.PathLike | None = None, log_verbose: int = 0,
                  exit_timeout_s: int = 30, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, models: list[str] | None = None):
+                 env: dict[str, str] | None = None, models: list[str] | None = None,
+                 admin_key: str | None = None):
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise LauncherError(f"model repository {self.model_repository} is not a directory")
@@ -221,6 +254,7 @@ class TritonServer:
         self.extra_args = list(extra_args or [])
         self.models = models
         self.env = server_env(self.install, env)
+        self.admin_key = resolve_admin_key(admin_key, self.env)
         self.proc: subprocess.Popen | None = None
         self._log_fh = None
         self._tail: list[str] = []
@@ -254,6 +288,8 @@ class TritonServer:
         if self.install.backend_dir is not None:
             cmd.append(f"--backend-directory={self.install.backend_dir}")
             cmd.append(f"--cache-directory={self.install.backend_dir}")
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={self.admin_key}"
+        cmd += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         if self.models is not None:
             cmd.append("--model-control-mode=explicit")
             cmd += [f"--load-model={m}" for m in self.models]
@@ -365,7 +401,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address HTTP, gRPC and metrics listen on (default: %(default)s, this machine "
+                        "only; 0.0.0.0 exposes an unauthenticated inference endpoint to the network)")
+    p.add_argument("--admin-key", default=None,
+                   help=f"key for Triton's administrative APIs ({', '.join(RESTRICTED_APIS)}), sent in "
+                        f"the header {ADMIN_KEY_HEADER} (gRPC: {GRPC_ADMIN_KEY_HEADER}); default: "
+                        f"${ADMIN_KEY_ENV}, else a random key that is not shown, which closes them. "
+                        "Prefer the variable: a flag shows in the process list")
     p.add_argument("--tritonserver", default=None,
                    help="path to a tritonserver binary (default: $NIGHTDRAFT_TRITONSERVER, then "
                         "tritonserver on PATH, then the nvidia-pytriton wheel's)")
@@ -382,18 +425,29 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def serve_main(args: argparse.Namespace) -> int:
+def server_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> TritonServer:
+    """The server ``nightdraft serve`` would start for these arguments (``env``: its environment)."""
     extra = [a for a in (args.extra or []) if a != "--"]
+    return TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+                        metrics_port=args.metrics_port, host=args.host,
+                        tritonserver=args.tritonserver, log_file=args.log_file,
+                        log_verbose=args.log_verbose, exit_timeout_s=args.exit_timeout,
+                        extra_args=extra, models=args.models, admin_key=args.admin_key, env=env)
+
+
+def serve_main(args: argparse.Namespace) -> int:
     try:
-        server = TritonServer(args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-                              metrics_port=args.metrics_port, host=args.host,
-                              tritonserver=args.tritonserver, log_file=args.log_file,
-                              log_verbose=args.log_verbose, exit_timeout_s=args.exit_timeout,
-                              extra_args=extra, models=args.models)
+        server = server_from_args(args)
     except LauncherError as e:
         print(f"nightdraft serve: {e}", file=sys.stderr)
         return 2
     server.echo = args.log_file is None
+    keyed = server.admin_key in (args.admin_key, server.env.get(ADMIN_KEY_ENV))  # else random
+    admin = (f"{', '.join(RESTRICTED_APIS)}: with header {ADMIN_KEY_HEADER}" if keyed else
+             f"{', '.join(RESTRICTED_APIS)}: closed (set ${ADMIN_KEY_ENV} to open them)")
+    if server.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"nightdraft serve: listening on {server.host}: inference and metrics take no "
+              "authentication, so whoever reaches these ports can use them", file=sys.stderr)
     print(f"nightdraft serve: starting {server.install.binary} ({server.install.source})\n"
           f"  model repository: {server.model_repository}", file=sys.stderr, flush=True)
 
@@ -424,6 +478,7 @@ def serve_main(args: argparse.Namespace) -> int:
                   f"  HTTP     http://{server.http_url}   (POST /v2/models/nightdraft/generate_stream)\n"
                   f"  gRPC     {server.grpc_url}\n"
                   f"  metrics  {server.metrics_url}\n"
+                  f"  admin    {admin}\n"
                   f"  try:     nightdraft complete \"def fibonacci(n):\" --url {server.grpc_url}\n"
                   "  Ctrl-C stops the server.", flush=True)
         while not stop.is_set():

@@ -20,6 +20,11 @@ validators from the test extra (pyproject.toml):
 - the engine configurations the deployment ships load through backend.engine_config.
 - scripts/gpu_check.sh: shellcheck; --dry-run exits 0 within seconds; bad input is refused; and a
   run against a stand-in GPU (nvidia-smi, torch and CLI faked) writes its JSON and summary.
+- security defaults: the launcher's command listens on 127.0.0.1 and restricts Triton's
+  administrative APIs behind a key; the image and the Deployment listen on every interface on
+  purpose and take the key from the environment (a Secret); compose publishes on loopback, and
+  Grafana needs a password and allows no anonymous access. One real tritonserver (slow) shows an
+  unload refused without the key and accepted with it, and no port answering off loopback.
 """
 from __future__ import annotations
 
@@ -606,6 +611,288 @@ def test_model_instances_do_not_multiply_per_gpu():
     for cfg in (REPO / "model_repository").glob("*/config.pbtxt"):
         text = "\n".join(line.split("#")[0] for line in cfg.read_text().splitlines())
         assert not re.search(r"kind\s*:\s*KIND_GPU", text), f"{cfg.relative_to(REPO)}: use KIND_MODEL or KIND_CPU"
+
+
+# ============================================================================== security defaults
+#
+# The launcher listens on loopback and keeps Triton's administrative APIs (model load/unload,
+# shared memory, trace, logging) behind a key; the image and the manifests open the network on
+# purpose and take the key from the environment (a Secret), never from the files here.
+
+RESTRICTED = {"model-repository", "shared-memory", "trace", "logging"}
+KEY = "0123456789abcdef0123456789abcdef"
+# The headers docs/deployment.md tells operators to send (Triton prefixes the gRPC one).
+ADMIN_HEADER = "nightdraft-admin-key"
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-nightdraft-admin-key"
+
+
+def fake_tritonserver(tmp_path: Path) -> Path:
+    """An executable to name: building a command needs no real server."""
+    binary = tmp_path / "fake-triton" / "bin" / "tritonserver"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def restricted_flags(cmd: list[str]) -> dict[str, tuple[set[str], str, str]]:
+    """{flag: (apis, header, key)} for Triton's --http-restricted-api / --grpc-restricted-protocol."""
+    out = {}
+    for arg in cmd:
+        flag, _, value = arg.partition("=")
+        if flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+            apis, _, header_key = value.partition(":")
+            header, _, key = header_key.partition("=")
+            out[flag] = (set(apis.split(",")), header, key)
+    return out
+
+
+def serve_args(argv: list[str]):
+    import argparse
+
+    from client.launcher import add_serve_parser
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def serve_command(tmp_path: Path, argv: list[str], env: dict[str, str]):
+    """The server `nightdraft serve ARGV` would start with environment ENV (a stand-in binary)."""
+    from client.launcher import server_from_args
+    repo = tmp_path / "repo"
+    repo.mkdir(parents=True, exist_ok=True)
+    args = serve_args([*argv, "--tritonserver", str(fake_tritonserver(tmp_path))])
+    args.model_repository = str(repo)   # the container's path does not exist here
+    return server_from_args(args, env=env)
+
+
+def test_launcher_listens_on_loopback_by_default(tmp_path):
+    from client.launcher import TritonServer
+    server = TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), env={})
+    cmd = server.command()
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert f"{flag}=127.0.0.1" in cmd, cmd
+    assert not any("0.0.0.0" in a for a in cmd), cmd
+
+
+def test_serve_cli_listens_on_loopback_by_default():
+    assert serve_args([]).host == "127.0.0.1"
+    assert serve_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("models", [None, ["nightdraft"]], ids=["all-models", "explicit-models"])
+def test_launcher_restricts_admin_apis_behind_a_key(tmp_path, models):
+    from client.launcher import TritonServer
+    server = TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), models=models,
+                          env={"NIGHTDRAFT_ADMIN_KEY": KEY})
+    cmd = server.command()
+    flags = restricted_flags(cmd)
+    assert set(flags) == {"--http-restricted-api", "--grpc-restricted-protocol"}, cmd
+    for flag, (apis, header, key) in flags.items():
+        assert apis >= RESTRICTED, (flag, apis)
+        assert "inference" not in apis and "health" not in apis, "serving must stay open"
+        assert (header, key) == (ADMIN_HEADER, KEY), flag
+    assert server.admin_key == KEY
+    assert ("--model-control-mode=explicit" in cmd) == (models is not None)
+
+
+def test_admin_key_comes_from_the_environment_else_is_random(tmp_path):
+    from client.launcher import LauncherError, TritonServer
+
+    def server(env, **kw):
+        return TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), env=env, **kw)
+
+    from_env = server({"NIGHTDRAFT_ADMIN_KEY": KEY})
+    assert from_env.admin_key == KEY
+    assert restricted_flags(from_env.command())["--http-restricted-api"][2] == KEY
+    assert server({"NIGHTDRAFT_ADMIN_KEY": KEY}, admin_key=KEY[::-1]).admin_key == KEY[::-1], \
+        "--admin-key wins over the environment"
+    # Unset or empty (compose's ${NIGHTDRAFT_ADMIN_KEY:-}): a fresh random key, so the APIs are closed.
+    keys = [server({}).admin_key, server({"NIGHTDRAFT_ADMIN_KEY": ""}).admin_key]
+    assert keys[0] != keys[1] and all(len(k) >= 32 for k in keys), keys
+    for bad in ("short", "has space in it 1234", "with:colon=0123456789"):
+        with pytest.raises(LauncherError, match="admin key"):
+            server({}, admin_key=bad)
+
+
+def test_image_listens_on_all_interfaces_on_purpose(tmp_path):
+    ins = dockerfile_instructions()
+    (entry,) = [json.loads(a) for i, a in ins if i == "ENTRYPOINT"]
+    cmd = json.loads([a for i, a in ins if i == "CMD"][-1])
+    assert "--host" in cmd and cmd[cmd.index("--host") + 1] == "0.0.0.0", cmd
+    text = (DOCKER / "Dockerfile").read_text()
+    before_cmd = text[:text.rindex("\nCMD ")].splitlines()[-8:]
+    assert any(line.startswith("#") and "0.0.0.0" in line for line in before_cmd), \
+        "say next to CMD why the image listens on every interface"
+    assert "NIGHTDRAFT_ADMIN_KEY" not in " ".join(a for i, a in ins if i in ("ENV", "ARG")), \
+        "an admin key baked into the image is everyone's key"
+    server = serve_command(tmp_path, entry[2:] + cmd, env={})
+    launched = server.command()
+    assert "--http-address=0.0.0.0" in launched and "--model-control-mode=explicit" in launched
+    assert restricted_flags(launched)["--http-restricted-api"][0] >= RESTRICTED
+
+
+def port_host_ip(port) -> str | None:
+    """The host address a compose port publishes on, as compose reads it without variables set."""
+    if isinstance(port, dict):
+        return port.get("host_ip")
+    parts = default_of(str(port)).split(":")
+    return ":".join(parts[:-2]) if len(parts) > 2 else None
+
+
+def test_compose_publishes_on_loopback_by_default():
+    services = load_compose()["services"]
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert port_host_ip(port) == "127.0.0.1", f"{name}: {port} publishes on every interface"
+    # Prometheus has no authentication: loopback whatever NIGHTDRAFT_BIND says.
+    assert all(str(p).startswith("127.0.0.1:") for p in services["prometheus"]["ports"])
+    env = services["nightdraft"].get("environment", {})
+    assert env.get("NIGHTDRAFT_ADMIN_KEY") == "${NIGHTDRAFT_ADMIN_KEY:-}", \
+        "pass the admin key through from the environment, empty (closed) when unset"
+
+
+def test_compose_grafana_needs_a_password_and_no_anonymous_access():
+    env = load_compose()["services"]["grafana"]["environment"]
+    password = env.get("GF_SECURITY_ADMIN_PASSWORD", "")
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:?\?[^}]+\}", password), \
+        f"compose must refuse to start without GRAFANA_ADMIN_PASSWORD, got {password!r}"
+    assert str(env.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() == "false", env
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+
+
+def test_k8s_restricts_model_control_with_a_key_from_a_secret(tmp_path):
+    dep = k8s_kind("Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = c["args"]
+    assert args[args.index("--host") + 1] == "0.0.0.0", "in a pod the Service is the boundary"
+    env = {e["name"]: e for e in c.get("env", [])}
+    ref = env["NIGHTDRAFT_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"]
+    assert ref.get("optional") is True, "without the Secret the pod must still start, APIs closed"
+    assert not [n for n, d in k8s_docs() if d["kind"] == "Secret"], "never commit the key"
+    docs = (REPO / "docs" / "deployment.md").read_text()
+    assert f"kubectl create secret generic {ref['name']}" in docs and ref["key"] in docs
+
+    (entry,) = [json.loads(a) for i, a in dockerfile_instructions() if i == "ENTRYPOINT"]
+    for pod_env in ({"NIGHTDRAFT_ADMIN_KEY": KEY}, {}):   # with and without the Secret
+        server = serve_command(tmp_path, entry[2:] + args, env=pod_env)
+        launched = server.command()
+        assert "--grpc-address=0.0.0.0" in launched
+        flags = restricted_flags(launched)
+        assert set(flags) == {"--http-restricted-api", "--grpc-restricted-protocol"}
+        for apis, _, key in flags.values():
+            assert apis >= RESTRICTED and key == server.admin_key
+        assert (server.admin_key == KEY) == bool(pod_env)
+
+
+# A real server: the cheap "preprocessing" model (a tokenizer, no engine), on the loopback default.
+
+def non_loopback_ipv4() -> str | None:
+    """This machine's address on its default route, if it has one (a UDP connect sends nothing)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+@pytest.fixture(scope="module")
+def admin_server(tmp_path_factory):
+    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    engine_json = REPO / "model_repository" / "nightdraft" / "1" / "engine.json"
+    engine = json.loads(engine_json.read_text())
+    for k in ("target", "drafter"):   # the copy lives elsewhere: absolute checkpoint paths
+        engine[k] = str((engine_json.parent / engine[k]).resolve())
+    if not (Path(engine["target"]) / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {engine['target']} (make tiny-models)")
+    tmp = tmp_path_factory.mktemp("triton-admin")
+    repo = tmp / "model_repository"
+    shutil.copytree(REPO / "model_repository" / "preprocessing", repo / "preprocessing",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "nightdraft" / "1").mkdir(parents=True)
+    (repo / "nightdraft" / "1" / "engine.json").write_text(json.dumps(engine))
+    # The launcher's defaults otherwise (host included); the key as deployments pass it.
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          log_file=tmp / "tritonserver.log", models=["preprocessing"],
+                          env={**os.environ, "NIGHTDRAFT_ADMIN_KEY": KEY}, exit_timeout_s=5)
+    server.start()
+    try:
+        server.wait_ready(120)
+    except LauncherError as e:
+        server.stop(timeout_s=20)
+        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    yield server
+    server.stop(timeout_s=30)
+
+
+def http(server, method: str, path: str, headers: dict | None = None, body: bytes | None = None) -> int:
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=body, method=method,
+                                 headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.mark.slow
+def test_real_server_listens_on_loopback_only(admin_server):
+    import socket
+    ip = non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try the ports on")
+    for port in (admin_server.http_port, admin_server.grpc_port, admin_server.metrics_port):
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with pytest.raises(OSError):
+            socket.create_connection((ip, port), timeout=5).close()
+            pytest.fail(f"port {port} answers on {ip}, not only on loopback")
+
+
+@pytest.mark.slow
+def test_real_server_admin_apis_need_the_key(admin_server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    unload = "/v2/repository/models/preprocessing/unload"
+    ready = "/v2/models/preprocessing/ready"
+    for headers in ({}, {ADMIN_HEADER: "wrong-key-0123456789"}):
+        assert http(admin_server, "POST", unload, headers) == 403, headers
+        for path in ("/v2/logging", "/v2/trace/setting", "/v2/systemsharedmemory/status"):
+            assert http(admin_server, "GET", path, headers) == 403, (path, headers)
+    assert http(admin_server, "GET", ready) == 200, "an unload without the key went through"
+
+    # Serving stays open: inference needs no key.
+    body = json.dumps({"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES",
+                                   "data": ["hello"]}]}).encode()
+    assert http(admin_server, "POST", "/v2/models/preprocessing/infer",
+                {"Content-Type": "application/json"}, body) == 200
+
+    client = grpcclient.InferenceServerClient(admin_server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match="restricted"):
+            client.unload_model("preprocessing")
+        index = client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: KEY}, as_json=True)
+        assert any(m["name"] == "preprocessing" for m in index.get("models", [])), index
+        assert client.is_model_ready("preprocessing")
+    finally:
+        client.close()
+
+    # With the key an operator administers the server.
+    assert http(admin_server, "POST", unload, {ADMIN_HEADER: KEY}) == 200
+    assert http(admin_server, "GET", ready) != 200
+    assert http(admin_server, "POST", "/v2/repository/models/preprocessing/load", {ADMIN_HEADER: KEY}) == 200
+    assert http(admin_server, "GET", ready) == 200
 
 
 # ============================================================================== gpu_check.sh
