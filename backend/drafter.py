@@ -1,10 +1,16 @@
 """The drafter: a small model with its own paged KV cache that proposes tokens.
 
 Its protocol is deliberately narrow so that it can live in another process or on another device:
-each `propose` call carries, per sequence, only the tokens committed since the last call; the
-drafter keeps its own copy of every sequence's tokens, keeps the K/V of its previous proposals
-that turned out to be accepted, and catches up on the rest (after gamma = 0 steps, or for a new
-sequence) with one ragged forward before drafting.
+each `propose` call carries, per sequence, only the tokens committed since the last call (and
+where they start, so a drafter that lost a sequence says so instead of drafting from a wrong
+context); the drafter keeps its own copy of every sequence's tokens, keeps the K/V of its
+previous proposals that turned out to be accepted, and catches up on the rest (after gamma = 0
+steps, or for a new sequence) with one ragged forward before drafting.
+
+A request the drafter cannot serve (its sampling state, a desynchronised sequence, a forward
+that raises for it) gets an empty proposal with `error` set and is forgotten; every other
+request in the call is drafted as if it had been alone. Speculation is optional, so that request
+simply decodes without drafts.
 """
 from __future__ import annotations
 
@@ -27,12 +33,19 @@ class DraftRequest:
     new_tokens: list[int]          # committed since this sequence's previous DraftRequest
     gamma: int
     params: SamplingParams
+    start: int = 0                 # position of new_tokens[0] in the sequence
 
 
 @dataclass
 class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None     # [len(tokens), V] draft distributions; None for greedy requests
+    error: str | None = None       # the drafter could not serve this request (and forgot it)
+    resync: bool = False           # the drafter lacks this sequence's tokens: send them all again
+
+
+class Desynchronised(RuntimeError):
+    """A request's tokens do not continue what the drafter holds for that sequence."""
 
 
 @dataclass
@@ -62,11 +75,25 @@ class Drafter:
 
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
-             block_size: int, seed: int = 0) -> "Drafter":
-        model = load_model(path, device=device, dtype=dtype)
+             block_size: int, seed: int = 0, offloaded: bool = False) -> "Drafter":
+        """`offloaded`: start with the weights in host memory and no KV pool, as a drafter that
+        replaces an offloaded one must (its device memory is lent to the target's KV cache)."""
+        if not offloaded:
+            model = load_model(path, device=device, dtype=dtype)
+            kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
+                                        dtype=dtype, device=device)
+            return cls(model, kv, seed=seed)
+        model = load_model(path, device="cpu", dtype=dtype)
+        for module in model.modules():      # buffers (rope table) live on the device regardless
+            for name, buf in module.named_buffers(recurse=False):
+                module.register_buffer(name, buf.to(device), persistent=False)
+        # Sized like the real pool but allocated nowhere ("meta"): reload allocates it.
         kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
-                                    dtype=dtype, device=device)
-        return cls(model, kv, seed=seed)
+                                    dtype=dtype, device="meta")
+        drafter = cls(model, kv, seed=seed)
+        drafter.device = torch.device(device)
+        drafter.offload()
+        return drafter
 
     @property
     def vocab_size(self) -> int:
@@ -86,13 +113,17 @@ class Drafter:
     def offloaded(self) -> bool:
         return self._host_weights is not None
 
+    @property
+    def weight_bytes(self) -> int:
+        return self._weight_bytes
+
     def device_bytes(self) -> int:
         """Bytes this drafter holds on its device: weights plus KV pool."""
         if self.offloaded:
             return 0
-        return self._weight_bytes + self._kv_bytes()
+        return self._weight_bytes + self.kv_bytes()
 
-    def _kv_bytes(self) -> int:
+    def kv_bytes(self) -> int:
         return self._kv_blocks * PagedKVCache.bytes_per_block(self.model.config, self._block_size,
                                                               self._kv_dtype)
 
@@ -126,7 +157,7 @@ class Drafter:
         if stream is not None:
             stream.synchronize()
         self._host_weights = None
-        self.kv = PagedKVCache.for_model(self.model.config, self._kv_bytes(),
+        self.kv = PagedKVCache.for_model(self.model.config, self.kv_bytes(),
                                          block_size=self._block_size, dtype=self._kv_dtype,
                                          device=self.device)
 
@@ -135,15 +166,53 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        if self.offloaded:
+            raise RuntimeError("the drafter is offloaded; reload it before proposing")
         t0 = time.perf_counter()
         proposals = [Proposal([], None) for _ in requests]
         active: list[int] = []
         for i, req in enumerate(requests):
-            st = self._sync(req)
+            try:
+                st = self._sync(req)
+            except Desynchronised:
+                self.free(req.seq_id)
+                proposals[i].resync = True
+                continue
+            except Exception as e:  # noqa: BLE001 - this request's own state; isolate it
+                self._forget(req, proposals, i, e)
+                continue
             if req.gamma > 0 and self.kv.ensure_capacity(req.seq_id, len(st.tokens) + req.gamma - 1):
                 active.append(i)
             # else: no room in the drafter's cache; this sequence simply isn't speculated on.
+        self._draft_isolated(requests, active, proposals, t0)
+        self.last_propose_s = time.perf_counter() - t0
+        return proposals
 
+    def _forget(self, req: DraftRequest, proposals: list[Proposal], i: int, error: Exception) -> None:
+        self.free(req.seq_id)
+        proposals[i] = Proposal([], None, error=f"{type(error).__name__}: {error}")
+
+    def _draft_isolated(self, requests, active: list[int], proposals: list[Proposal], t0: float) -> None:
+        """Draft `active` in one batch; if that raises, undo its effect on the sequences'
+        caches and retry each half alone, so only the request(s) that fail alone lose drafts."""
+        if not active:
+            return
+        states = [self._seqs[requests[i].seq_id] for i in active]
+        cached = [st.kv_len for st in states]
+        try:
+            self._draft(requests, active, proposals, t0)
+        except Exception as e:  # noqa: BLE001 - bisect to the request(s) at fault
+            for i, st, kv_len in zip(active, states, cached):
+                st.kv_len, st.spec_tail = kv_len, []     # K/V below kv_len was not touched
+                proposals[i] = Proposal([], None)
+            if len(active) == 1:
+                self._forget(requests[active[0]], proposals, active[0], e)
+                return
+            half = len(active) // 2
+            self._draft_isolated(requests, active[:half], proposals, t0)
+            self._draft_isolated(requests, active[half:], proposals, t0)
+
+    def _draft(self, requests, active: list[int], proposals: list[Proposal], t0: float) -> None:
         # Forward 1 feeds each sequence's uncached tail (usually 1-2 tokens); forwards 2..gamma
         # feed the previous draft. A sequence drops out once it has its gamma drafts.
         feed = {i: self._seqs[requests[i].seq_id].tokens[self._seqs[requests[i].seq_id].kv_len:]
@@ -179,18 +248,23 @@ class Drafter:
             if step == 0:
                 self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
             step += 1
-        self.last_propose_s = time.perf_counter() - t0
-        return proposals
 
     def _sync(self, req: DraftRequest) -> _SeqState:
-        if self.offloaded:
-            raise RuntimeError("the drafter is offloaded; reload it before proposing")
         """Append newly committed tokens; keep only the cached drafts that were accepted."""
         st = self._seqs.get(req.seq_id)
+        if st is not None and req.start == 0:     # sent again from the start: begin afresh
+            self.free(req.seq_id)
+            st = None
+        held = len(st.tokens) if st is not None else 0
+        if req.start != held:
+            raise Desynchronised(f"sequence {req.seq_id!r}: tokens from position {req.start}, "
+                                 f"the drafter holds {held}")
         if st is None:
-            seed = None if req.params.seed is None else req.params.seed + 1
-            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(
-                seed if seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))))
+            # Its own stream of draws, derived from the request's seed (wrapping at 2**64, the
+            # largest seed a generator takes) or from the drafter's seed source.
+            seed = (req.params.seed + 1) % 2**64 if req.params.seed is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(seed, self.device))
         base = len(st.tokens)
         matched = 0
         for drafted, committed in zip(st.spec_tail, req.new_tokens):

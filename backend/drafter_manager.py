@@ -1,6 +1,13 @@
-"""Owns the engine's drafter: builds it (in-process or as a worker on its own device), notices
-when it fails, degrades to plain decoding meanwhile, and brings a fresh worker up in the
-background.
+"""Owns the engine's drafter: builds it (in-process or as a worker on its own device), keeps
+track of what each sequence has sent it, notices when it fails, degrades to plain decoding
+meanwhile, and brings a fresh drafter up in the background.
+
+Whatever the drafter does wrong (a worker that dies, hangs or answers out of turn; an
+in-process drafter that raises) is a failure of the drafter, never of the engine's step: the
+step goes on without drafts, and a replacement comes up after `drafter_restart_s`. A
+replacement starts in the memory state of the drafter it replaces: if the weights had been
+offloaded (their device memory lent to the target's KV pool), it starts offloaded too, so the
+pool and the drafter never both claim that memory.
 """
 from __future__ import annotations
 
@@ -8,13 +15,14 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .drafter import DraftRequest, Drafter, Proposal
 from .drafter_worker import DrafterFailed, RemoteDrafter, WorkerSpec, plan_cpu_placement
 from .engine_config import EngineConfig
+from .request import Sequence
 
 log = logging.getLogger("nightdraft.drafter")
 
@@ -22,7 +30,8 @@ log = logging.getLogger("nightdraft.drafter")
 class _Done:
     """A proposal computed in line (in-process drafter): `result()` just returns it."""
 
-    def __init__(self, proposals: list[Proposal]):
+    def __init__(self, requests: list[DraftRequest], proposals: list[Proposal]):
+        self.requests = requests
         self._proposals = proposals
 
     def result(self) -> list[Proposal]:
@@ -41,28 +50,33 @@ class DrafterManager:
         self._dtype = dtype
         self.failures = 0
         self.restarts = 0
+        self.request_failures = 0           # requests the drafter could not serve (isolated)
         self.last_failure: str | None = None
         self._failed_at: float | None = None
-        self._replacement: RemoteDrafter | None = None
+        self._replacement: Drafter | RemoteDrafter | None = None
         self._restarting = False
+        self._closed = False
         self._lock = threading.Lock()
         self.offloaded = False
         self._reload = None                 # a future while weights travel back
         self.last_reload_s = 0.0
+        # seq id -> how many of its tokens the drafter has been sent (its sync offset)
+        self._synced: dict[str, int] = {}
         self.drafter: Drafter | RemoteDrafter | None = self._build()
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _build(self):
+    def _build(self, offloaded: bool = False):
         cfg = self.config
         if not self.remote:
             return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
                                 kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
-                                seed=cfg.seed)
+                                seed=cfg.seed, offloaded=offloaded)
         spec = WorkerSpec(path=cfg.drafter, device=cfg.drafter_device,
                           dtype=str(self._dtype).removeprefix("torch."),
                           kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
-                          seed=cfg.seed, cores=self.cores)
+                          seed=cfg.seed, cores=self.cores, probs_transport=cfg.drafter_probs_transport,
+                          start_offloaded=offloaded)
         return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
                              timeout_s=cfg.drafter_timeout_s)
 
@@ -90,7 +104,7 @@ class DrafterManager:
     @property
     def state(self) -> str:
         if self.drafter is None:
-            return "restarting" if self._restarting else "failed"
+            return "restarting" if self._restarting or self._replacement is not None else "failed"
         if self._reload is not None:
             return "reloading"
         return "offloaded" if self.offloaded else "on_device"
@@ -112,6 +126,10 @@ class DrafterManager:
             return True
         return dd.startswith("cpu") and td.startswith("cpu")
 
+    def lag_tokens(self, seqs: list[Sequence]) -> int:
+        """Tokens of these sequences the drafter has not been sent yet (its catch-up work)."""
+        return sum(len(s) - self._synced.get(s.request_id, 0) for s in seqs)
+
     # -- elastic memory --------------------------------------------------------------------------
 
     def offload(self) -> int:
@@ -120,15 +138,20 @@ class DrafterManager:
             return 0
         try:
             freed = self.drafter.offload()
-        except DrafterFailed as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the drafter is the drafter's
             self._failed(e)
             return 0
         self.offloaded = True
         return freed
 
+    @property
+    def can_reload(self) -> bool:
+        """Offloaded, alive and not already on its way back."""
+        return self.drafter is not None and self.offloaded and self._reload is None
+
     def start_reload(self) -> None:
         """Bring the weights back without blocking decoding; `poll_reload` says when."""
-        if self.drafter is None or not self.offloaded or self._reload is not None:
+        if not self.can_reload:
             return
         try:
             if isinstance(self.drafter, RemoteDrafter):
@@ -136,19 +159,21 @@ class DrafterManager:
             else:
                 pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightdraft-reload")
                 t0 = time.perf_counter()
-                self._reload = pool.submit(lambda: (self.drafter.reload(), time.perf_counter() - t0)[1])
+                drafter = self.drafter
+                self._reload = pool.submit(lambda: (drafter.reload(), time.perf_counter() - t0)[1])
                 pool.shutdown(wait=False)
-        except DrafterFailed as e:
+        except Exception as e:  # noqa: BLE001
             self._failed(e)
 
     def poll_reload(self) -> float | None:
         """Seconds the reload took, once it has just finished; None otherwise."""
-        if self._reload is None or not self._reload.done():
+        if self._reload is None:
             return None
         try:
+            if not self._reload.done():
+                return None
             seconds = self._reload.result()
         except Exception as e:  # noqa: BLE001 - a failed reload is a failed drafter
-            self._reload = None
             self._failed(e)
             return None
         self._reload = None
@@ -183,50 +208,71 @@ class DrafterManager:
         if isinstance(self.drafter, RemoteDrafter):
             try:
                 self.drafter.refresh_stats()
-            except DrafterFailed as e:
+            except Exception as e:  # noqa: BLE001
                 self._failed(e)
 
     # -- the protocol, failure-tolerant ----------------------------------------------------------
 
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal] | None:
-        pending = self.propose_async(requests)
-        return self.collect(pending)
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Proposal] | None:
+        """Drafts for (sequence, gamma) pairs, or None when the drafter is unavailable."""
+        return self.collect(self.propose_async(wanted))
 
-    def propose_async(self, requests: list[DraftRequest]):
-        if not self.available or not requests:
+    def propose_async(self, wanted: list[tuple[Sequence, int]]):
+        if not self.available or not wanted:
             return None
+        requests = [self._request(seq, gamma) for seq, gamma in wanted]
         try:
             if isinstance(self.drafter, RemoteDrafter):
                 return self.drafter.propose_async(requests)
-            return _Done(self.drafter.propose(requests))
-        except DrafterFailed as e:
+            return _Done(requests, self.drafter.propose(requests))
+        except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
+
+    def _request(self, seq: Sequence, gamma: int) -> DraftRequest:
+        start = self._synced.get(seq.request_id, 0)
+        self._synced[seq.request_id] = len(seq)
+        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start)
 
     def collect(self, pending) -> list[Proposal] | None:
         if pending is None or self.drafter is None:
             return None
         try:
-            return pending.result()
-        except DrafterFailed as e:
+            proposals = pending.result()
+        except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
+        for req, p in zip(pending.requests, proposals):
+            if p.error is not None or p.resync:   # the drafter forgot it: resend it whole next time
+                self._synced.pop(req.seq_id, None)
+            if p.error is not None:
+                self.request_failures += 1
+                log.warning("drafter could not serve request %s (%s); it decodes without drafts",
+                            req.seq_id, p.error)
+        return proposals
 
     def free(self, seq_id: str) -> None:
+        self._synced.pop(seq_id, None)
         if self.drafter is None:
             return
         try:
             self.drafter.free(seq_id)
-        except DrafterFailed as e:
+        except Exception as e:  # noqa: BLE001
             self._failed(e)
 
     def _failed(self, error: Exception) -> None:
         self.failures += 1
-        self.last_failure = str(error)
+        self.last_failure = f"{type(error).__name__}: {error}"
         self._failed_at = time.monotonic()
-        log.error("drafter failed (%s); decoding without speculation until a new worker is up", error)
+        log.error("drafter failed (%s); decoding without speculation until a new one is up",
+                  self.last_failure)
         dead, self.drafter = self.drafter, None
-        self.offloaded, self._reload = False, None
+        if self._reload is not None:
+            # The target pool shrank back before the reload began: a replacement may load
+            # onto the device. Otherwise `offloaded` stays: that memory is still lent.
+            self.offloaded = False
+        self._reload = None
+        self._synced.clear()
         if isinstance(dead, RemoteDrafter):
             try:
                 dead.close(timeout_s=1.0)
@@ -236,27 +282,32 @@ class DrafterManager:
     def poll(self) -> bool:
         """Called every step: start a replacement after a failure, swap it in once ready.
         True when a new drafter just came in (it knows no sequences yet)."""
-        if self.drafter is not None or not self.remote:
+        if self.drafter is not None:
             return False
         with self._lock:
             ready, self._replacement = self._replacement, None
         if ready is not None:
             self.drafter = ready
             self.restarts += 1
-            log.info("drafter worker restarted (pid %s); speculation resumes", ready.pid)
+            log.info("drafter restarted%s; speculation resumes%s",
+                     f" (pid {ready.pid})" if isinstance(ready, RemoteDrafter) else "",
+                     " once its weights are back" if self.offloaded else "")
             return True
         if (not self._restarting and self._failed_at is not None
                 and time.monotonic() - self._failed_at >= self.config.drafter_restart_s):
             self._restarting = True
-            threading.Thread(target=self._restart, name="nightdraft-drafter-restart",
-                             daemon=True).start()
+            threading.Thread(target=self._restart, args=(self.offloaded,),
+                             name="nightdraft-drafter-restart", daemon=True).start()
         return False
 
-    def _restart(self) -> None:
+    def _restart(self, offloaded: bool) -> None:
         try:
-            fresh = self._build()
+            fresh = self._build(offloaded=offloaded)
             with self._lock:
-                self._replacement = fresh
+                if not self._closed:
+                    self._replacement, fresh = fresh, None
+            if isinstance(fresh, RemoteDrafter):     # the engine closed meanwhile
+                fresh.close(timeout_s=1.0)
         except Exception as e:  # noqa: BLE001 - a failed restart is retried later
             log.error("drafter restart failed: %s", e)
             self._failed_at = time.monotonic()
@@ -272,8 +323,12 @@ class DrafterManager:
             torch.set_num_threads(saved[1])
             DrafterManager._unpinned = None
 
-    def close(self) -> None:
-        for d in (self.drafter, self._replacement):
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (and a replacement that came up meanwhile) within `timeout_s` each."""
+        with self._lock:
+            self._closed = True
+            spare, self._replacement = self._replacement, None
+        for d in (self.drafter, spare):
             if isinstance(d, RemoteDrafter):
-                d.close()
-        self.drafter = self._replacement = None
+                d.close(timeout_s=timeout_s)
+        self.drafter = None

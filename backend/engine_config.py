@@ -25,13 +25,23 @@ class EngineConfig:
     drafter_device: str | None = None
     drafter_timeout_s: float = 10.0             # a worker silent this long is declared hung
     drafter_restart_s: float = 2.0              # wait this long after a failure before restarting
+    # How a worker's draft probabilities travel: "shared_buffer" (CPU default) or "tensor"
+    # (CUDA default: CUDA IPC; on CPU, shared-memory file descriptors).
+    drafter_probs_transport: str | None = None
     dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_bytes: int = 64 << 20
     drafter_kv_cache_bytes: int | None = None   # default: sized to hold as many tokens as the target's
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048          # prefill chunk budget per step
-    max_model_len: int | None = None            # default: the target's max_position_embeddings
+    max_model_len: int | None = None            # default: the target's max_position_embeddings,
+                                                # capped at what the KV pool holds
+    # Admission limits. A prompt longer than max_prompt_bytes (default: the most bytes
+    # max_model_len tokens can spell) is refused before it is tokenized; beyond max_waiting
+    # queued requests or max_waiting_bytes of queued prompt text the server answers "busy".
+    max_prompt_bytes: int | None = None
+    max_waiting: int = 256
+    max_waiting_bytes: int = 64 << 20
     mode: str | None = None                     # default: "sd" with a drafter, else "ar"
     gamma: int = 4
     gamma_max: int = 8
@@ -72,7 +82,14 @@ class EngineConfig:
              "drafter_timeout_s: must be > 0")
         need(isinstance(self.drafter_restart_s, (int, float)) and self.drafter_restart_s >= 0,
              "drafter_restart_s: must be >= 0")
+        need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
+             "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
+        need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
+             "max_prompt_bytes: must be a positive integer")
+        need(_is_int(self.max_waiting) and self.max_waiting >= 0, "max_waiting: must be an integer >= 0")
+        need(_is_int(self.max_waiting_bytes) and self.max_waiting_bytes >= 1,
+             "max_waiting_bytes: must be a positive integer")
         if self.planner is not None:
             need(isinstance(self.planner, dict), "planner: must be an object of planner settings")
             import inspect

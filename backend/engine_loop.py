@@ -11,8 +11,8 @@ must be quick (queue the output, do not block). Guarantees:
 - an exception in ``step()`` never kills the loop silently: it is logged, the requests it
   affects get a final output with ``finish_reason="error"`` (all in-flight requests, unless the
   exception names them in a ``request_ids`` attribute), and they are aborted in the engine so
-  their KV blocks are freed. If ``step()`` keeps failing with nothing left to fail, the loop
-  marks itself unhealthy and refuses new work with ``EngineLoopError``.
+  their KV blocks are freed. If ``step()`` fails several times in a row, the loop marks itself
+  unhealthy (``healthy`` is False) and refuses new work with ``EngineLoopError``.
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import time
 import traceback
 from typing import Callable, Protocol
 
+from backend.errors import InvalidRequest
 from backend.outputs import RequestOutput
-from backend.sampling_params import InvalidRequest, SamplingParams
+from backend.sampling_params import SamplingParams
 
 log = logging.getLogger("nightdraft.engine_loop")
 
@@ -35,7 +36,8 @@ class EngineLoopError(RuntimeError):
 
 
 class _EngineLike(Protocol):  # what the loop needs from backend.engine.Engine
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None: ...
+    def prepare(self, request_id: str, prompt, params: SamplingParams): ...
+    def enqueue(self, prepared) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -83,23 +85,30 @@ class EngineLoop:
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                on_output: OutputCallback) -> None:
         """Hand a request to the engine. Raises ``InvalidRequest`` (bad input, the message is
-        safe to return to the client) or ``EngineLoopError`` (shutting down / engine broken)."""
+        safe to return to the client), ``ServerBusy`` (the queue is full) or ``EngineLoopError``
+        (shutting down / engine broken)."""
+        self._check_accepting()
+        # Validation and tokenization outside the lock: a long prompt must not hold up the
+        # step thread, which takes this lock between steps.
+        prepared = self.engine.prepare(request_id, prompt, params)
         with self._cv:
-            if self._stopping:
-                raise EngineLoopError("the server is shutting down; request not accepted")
-            if not self._healthy:
-                raise EngineLoopError(f"the engine has failed and accepts no requests: {self._fatal}")
+            self._check_accepting()
             if request_id in self._callbacks:
                 raise InvalidRequest(f"duplicate request id {request_id!r}")
-            # Registered before add_request so that no output can arrive unrouted; add_request
-            # is quick (tokenize, enqueue) and the step thread takes this lock only between steps.
+            # Registered before enqueue so that no output can arrive unrouted.
             self._callbacks[request_id] = on_output
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.enqueue(prepared)
             except BaseException:
                 self._callbacks.pop(request_id, None)
                 raise
             self._cv.notify_all()
+
+    def _check_accepting(self) -> None:
+        if self._stopping:
+            raise EngineLoopError("the server is shutting down; request not accepted")
+        if not self._healthy:
+            raise EngineLoopError(f"the engine has failed and accepts no requests: {self._fatal}")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown ids are ignored). Its final output, with
@@ -114,17 +123,29 @@ class EngineLoop:
         with self._cv:
             self._cv.notify_all()
 
-    def shutdown(self, abort_inflight: bool = True, timeout_s: float | None = 60.0) -> None:
-        """Stop accepting work; abort (or, with ``abort_inflight=False``, drain) in-flight
-        requests; join the thread. Every in-flight request gets its final output, synthesized
-        here if the engine did not produce it in time."""
+    def shutdown(self, abort_inflight: bool = True, timeout_s: float | None = 60.0,
+                 grace_s: float = 0.0) -> None:
+        """Stop accepting work and end every in-flight request, then join the thread.
+
+        With ``grace_s`` > 0, in-flight requests first get that long to finish on their own (a
+        drain); then, or at once with ``abort_inflight``, the rest are aborted in the engine
+        (their final outputs say ``finish_reason="abort"``). ``abort_inflight=False`` without a
+        grace period waits up to ``timeout_s`` for them. Every request gets its final output,
+        synthesized here if the engine did not produce it in time."""
         with self._cv:
             if self._stopping and not self._thread.is_alive():
                 return
             self._stopping = True
-            ids = list(self._callbacks)
             self._cv.notify_all()
-        if abort_inflight:
+            if grace_s > 0:
+                deadline = time.monotonic() + grace_s
+                while self._callbacks and self._thread.is_alive() and time.monotonic() < deadline:
+                    self._cv.wait(min(0.1, max(deadline - time.monotonic(), 0.0)))
+            ids = list(self._callbacks)
+        if abort_inflight or grace_s > 0:
+            if ids and grace_s > 0:
+                self._log.warning("%d request(s) still running after the %.0f s grace period; "
+                                  "aborting them", len(ids), grace_s)
             for rid in ids:
                 try:
                     self.engine.abort(rid)
@@ -138,7 +159,7 @@ class EngineLoop:
                 self._log.error("engine loop did not stop within %s s; failing %d request(s)",
                                 timeout_s, self.num_inflight)
         # Whatever is still registered never got a final output from the engine.
-        self._fail_all("abort" if abort_inflight else "error",
+        self._fail_all("abort" if abort_inflight or grace_s > 0 else "error",
                        "the server shut down before the request finished")
 
     # ---------------------------------------------------------------- loop thread
@@ -189,6 +210,8 @@ class EngineLoop:
             with self._cv:
                 cb = self._callbacks.pop(out.request_id, None) if out.finished \
                     else self._callbacks.get(out.request_id)
+                if out.finished and not self._callbacks:
+                    self._cv.notify_all()        # a draining shutdown waits for this
             if cb is None:
                 continue  # already failed or its consumer went away
             try:
@@ -218,15 +241,16 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 self._log.exception("engine.abort(%s) failed", rid)
-        # Failures with no request left to fail mean the engine cannot get rid of its own
-        # leftovers: after a few in a row, stop stepping and refuse new work.
-        self._idle_failures = 0 if ids else self._idle_failures + 1
+        # A request at fault fails alone inside the step (see backend.engine); a step that
+        # raises is the engine's own failure. A few in a row, whether or not they had requests
+        # to fail, mean it is broken: stop stepping and refuse new work (with a reason).
+        self._idle_failures += 1
         if self._idle_failures >= self.MAX_CONSECUTIVE_FAILURES:
             with self._cv:
                 self._healthy = False
                 self._fatal = msg
-            self._log.error("engine.step() failed %d times in a row with no request to fail; the "
-                            "engine loop stops stepping and refuses new requests", self._idle_failures)
+            self._log.error("engine.step() failed %d times in a row; the engine loop stops "
+                            "stepping and refuses new requests", self._idle_failures)
             return
         # Back off a little so a persistent failure does not spin a core.
         time.sleep(min(0.5, 0.01 * 2 ** min(self._idle_failures, 6)))

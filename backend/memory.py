@@ -65,6 +65,13 @@ class ElasticMemory:
         """Used blocks over the pool's drafter-on size: above 1, a reload would have to preempt."""
         return self.kv.num_used_blocks / max(self.base_blocks, 1)
 
+    def agrees(self) -> bool:
+        """Do the pool and the drafter claim the drafter's memory at most once? The pool is
+        grown only while the drafter's weights are off its device (a colocated drafter that
+        comes back, or whose replacement does, must find the pool shrunk back first)."""
+        grown = self.kv.num_blocks > self.base_blocks
+        return not grown or (self.drafter.offloaded and self.drafter.state != "reloading")
+
     def offload(self) -> None:
         if not self.drafter.available:
             return
@@ -80,7 +87,7 @@ class ElasticMemory:
                  freed / 2**20, self.kv.num_blocks)
 
     def start_reload(self) -> None:
-        if not self.drafter.offloaded or self.drafter.state == "reloading":
+        if not self.drafter.can_reload:     # not offloaded, already coming back, or restarting
             return
         if self.kv.num_blocks > self.base_blocks:
             self.preempted_for_reload += self.scheduler.preempt_until(self.base_blocks)

@@ -81,6 +81,8 @@ class EngineStats:
     drafter_state: str = "none"            # "none" | "on_device" | "failed" | "restarting" | "offloaded"
     drafter_failures: int = 0
     drafter_restarts: int = 0
+    drafter_request_failures: int = 0      # requests the drafter could not serve (decoded plainly)
+    request_errors: int = 0                # requests failed alone by a fault in a batched step
     drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
     offloads: int = 0                      # drafter weights moved to host (elastic memory)
     reloads: int = 0

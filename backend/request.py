@@ -37,7 +37,13 @@ class Sequence:
     accepted: int = 0
     num_preemptions: int = 0
     emitted_text_len: int = 0          # text already handed out (stop strings may hold some back)
-    drafter_synced: int = 0            # token_ids[:drafter_synced] have been sent to the drafter
+    stop_text_at: int | None = None    # where a stop string begins in the text (it is cut there)
+    spec_disabled: bool = False        # the drafter could not serve this request: decode plainly
+    prompt_bytes: int = 0              # size of the prompt text (queue budget)
+
+    @property
+    def speculates(self) -> bool:
+        return self.params.speculative and not self.spec_disabled
 
     def __len__(self) -> int:
         return len(self.token_ids)

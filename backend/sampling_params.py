@@ -6,12 +6,21 @@ Clients of Triton's vLLM backend (and genai-perf) send numbers as strings, e.g.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backend.errors import InvalidRequest
 
-class InvalidRequest(ValueError):
-    """Bad input from a client; the message says what is wrong and is safe to return."""
+# Below this, temperature scaling overflows float32 logits to inf (temperature 1e-39 did, and
+# the NaN it made failed the whole batched sampler). Temperature -> 0 is argmax, so such
+# requests decode greedily, as vLLM's sampler does below its own epsilon.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+SEED_RANGE = (0, 2**64 - 1)          # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024         # stop strings are held back from streams: keep them short
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     # Per-request opt-out of speculative decoding (the request still decodes, just without drafts).
     speculative: bool = True
     min_tokens: int = 0
@@ -35,7 +45,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -46,19 +60,30 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.temperature > 100.0:
-            raise InvalidRequest(f"temperature must be <= 100, got {self.temperature!r}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        lo, hi = SEED_RANGE
+        if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
+            raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1], got {_short(self.seed)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequest(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequest(f"stop strings must be non-empty strings, got {_short(s)}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequest(f"stop strings must be at most {MAX_STOP_STRING_CHARS} "
+                                     f"characters, got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise InvalidRequest(f"stop_token_ids must be non-negative integers, got {_short(t)}")
 
     # --- parsing from the wire -------------------------------------------------------------
 
@@ -76,7 +101,7 @@ class SamplingParams:
                 continue
             if key not in _COERCE:
                 known = ", ".join(sorted(_COERCE))
-                raise InvalidRequest(f"unknown sampling parameter {key!r}; known: {known}")
+                raise InvalidRequest(f"unknown sampling parameter {_short(key)}; known: {known}")
             values[key] = _COERCE[key](key, value)
         return cls(**values)
 
@@ -92,28 +117,43 @@ def parse_sampling_json(text: str | bytes | None) -> dict[str, Any]:
     """The `sampling_parameters` input: a JSON object (empty or absent means no settings)."""
     if not text or not str(text).strip():
         return {}
+    return parse_json_object(text, "sampling_parameters")
+
+
+def parse_json_object(text: str | bytes, what: str) -> dict[str, Any]:
+    """A JSON object from a client, or InvalidRequest naming `what` and the problem."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from None
+        raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
+    except ValueError as e:   # e.g. an integer of more than 4300 digits
+        raise InvalidRequest(f"{what} could not be parsed: {e}") from None
+    except RecursionError:
+        raise InvalidRequest(f"{what} is nested too deeply") from None
     if not isinstance(raw, dict):
-        raise InvalidRequest("sampling_parameters must be a JSON object")
+        raise InvalidRequest(f"{what} must be a JSON object")
     return raw
+
+
+def _short(v: Any, limit: int = 40) -> str:
+    """repr(v), cut: a client's 4000-digit number is not worth echoing back whole."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
 def _to_int(key: str, v: Any) -> int:
     if isinstance(v, bool):
         raise InvalidRequest(f"{key} must be an integer, got {v!r}")
-    if isinstance(v, float) and v.is_integer():
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         return int(v)
     if isinstance(v, int):
         return v
     if isinstance(v, str):
         try:
             return int(v.strip())
-        except ValueError:
+        except ValueError:   # not a number, or more digits than Python will convert
             pass
-    raise InvalidRequest(f"{key} must be an integer, got {v!r}")
+    raise InvalidRequest(f"{key} must be an integer, got {_short(v)}")
 
 
 def _to_opt_int(key: str, v: Any) -> int | None:
@@ -123,14 +163,14 @@ def _to_opt_int(key: str, v: Any) -> int | None:
 def _to_float(key: str, v: Any) -> float:
     if isinstance(v, bool):
         raise InvalidRequest(f"{key} must be a number, got {v!r}")
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        try:
+    try:
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
             return float(v.strip())
-        except ValueError:
-            pass
-    raise InvalidRequest(f"{key} must be a number, got {v!r}")
+    except (ValueError, OverflowError):   # not a number; an integer too large for a float
+        pass
+    raise InvalidRequest(f"{key} must be a number, got {_short(v)}")
 
 
 def _to_bool(key: str, v: Any) -> bool:
@@ -140,7 +180,7 @@ def _to_bool(key: str, v: Any) -> bool:
         return v.strip().lower() in ("true", "1")
     if isinstance(v, int) and v in (0, 1):
         return bool(v)
-    raise InvalidRequest(f"{key} must be a boolean, got {v!r}")
+    raise InvalidRequest(f"{key} must be a boolean, got {_short(v)}")
 
 
 def _to_stop(key: str, v: Any) -> tuple[str, ...]:
@@ -150,7 +190,15 @@ def _to_stop(key: str, v: Any) -> tuple[str, ...]:
         return (v,)
     if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
         return tuple(v)
-    raise InvalidRequest(f"{key} must be a string or a list of strings, got {v!r}")
+    raise InvalidRequest(f"{key} must be a string or a list of strings, got {_short(v)}")
+
+
+def _to_token_ids(key: str, v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (list, tuple)):
+        return tuple(_to_int(key, t) for t in v)
+    raise InvalidRequest(f"{key} must be a list of token ids, got {_short(v)}")
 
 
 _COERCE = {
@@ -162,6 +210,7 @@ _COERCE = {
     "seed": _to_opt_int,
     "stop": _to_stop,
     "ignore_eos": _to_bool,
+    "stop_token_ids": _to_token_ids,
     "speculative": _to_bool,
 }
 # Spellings other front ends use for the same knob.

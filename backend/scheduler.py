@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from .drafter import Proposal
 from .kv_cache import PagedKVCache
 from .request import Sequence, Status
 
@@ -27,6 +28,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new: int          # uncached tokens of seq.token_ids fed this step
     gamma: int = 0        # drafts to verify after them (only for a pure decode step)
+    proposal: Proposal | None = None   # the drafts, once drafted (gamma = their number)
 
     @property
     def completes(self) -> bool:

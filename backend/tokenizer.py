@@ -1,10 +1,14 @@
 """Tokenizer loading (Hugging Face tokenizer.json) and incremental detokenization."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+_GIL_FREE_ABOVE = 4096     # characters
 
 
 class Tokenizer:
@@ -31,7 +35,17 @@ class Tokenizer:
         return cls(tok, tuple(sorted(eos)))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) < _GIL_FREE_ABOVE:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        # encode() holds the GIL for its whole run (3 s for 4 MB here, freezing every other
+        # thread of the server); encode_batch releases it.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token: text of n bytes holds at least n / this tokens."""
+        pieces = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, max(len(p.encode("utf-8")) for p in pieces))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -29,9 +29,13 @@ class FakeEngine:
         self.gate = threading.Event()          # step() waits here; tests close it to line requests up
         self.gate.set()
 
-    def add_request(self, request_id, prompt, params):
+    def prepare(self, request_id, prompt, params):
         if not prompt:
             raise InvalidRequest("prompt is empty")
+        return request_id, prompt, params
+
+    def enqueue(self, prepared):
+        request_id, prompt, params = prepared
         with self.lock:
             if request_id in self.reqs:
                 raise InvalidRequest(f"duplicate request id {request_id!r}")
@@ -252,6 +256,23 @@ def test_persistent_failure_marks_loop_unhealthy(engine, loop):
     steps = engine.steps
     time.sleep(0.2)
     assert engine.steps == steps, "a broken engine must not be stepped in a hot loop"
+
+
+def test_an_engine_failing_every_step_is_unhealthy_even_with_requests_to_fail(engine, loop):
+    engine.fail_always = RuntimeError("every step fails")
+    for i in range(EngineLoop.MAX_CONSECUTIVE_FAILURES):
+        c = Collector()
+        try:
+            loop.submit(f"r{i}", "x", params(5), c)
+        except EngineLoopError:
+            break
+        assert c.final.finish_reason == "error"
+    deadline = time.monotonic() + TIMEOUT
+    while loop.healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not loop.healthy, "a loop whose every step fails still reports healthy"
+    with pytest.raises(EngineLoopError, match="every step fails"):
+        loop.submit("late", "x", params(), Collector())
 
 
 def test_dropped_request_is_failed_not_hung(engine, loop):

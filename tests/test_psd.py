@@ -175,3 +175,38 @@ def test_sampling_through_the_worker_runs_and_frees_everything(psd, prompts):
     out = psd.generate(prompts[:6], params)
     assert all(len(c.output_ids) == 16 for c in out)
     assert_no_leaks(psd)
+
+
+def test_requests_that_opt_out_of_speculation_decode_every_step(psd, prompts):
+    """They sit in no sub-batch: a request with speculative=false advances on every step it is
+    scheduled, while the others take turns being drafted and verified."""
+    plain = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, speculative=False)
+    for i, p in enumerate(prompts[:4]):
+        psd.add_request(f"spec{i}", p, GREEDY)
+    psd.add_request("plain", prompts[4], plain)
+    steps_running = advanced = 0
+    while psd.has_unfinished():
+        running = any(s.request_id == "plain" and s.num_computed > 0 for s in psd.scheduler.running)
+        outs = {o.request_id: o for o in psd.step()}
+        if running:
+            steps_running += 1
+            advanced += bool(outs.get("plain") and outs["plain"].new_token_ids)
+    assert psd.stats().psd_overlapped_steps > 0, "PSD never overlapped: nothing was tested"
+    assert steps_running >= plain.max_tokens - 1
+    assert advanced == steps_running, f"advanced on {advanced} of {steps_running} steps"
+    assert_no_leaks(psd)
+
+
+def test_the_tensor_transport_carries_draft_probabilities(prompts):
+    """The CUDA path's transport (probabilities as tensors through torch's reductions), run on
+    CPU tensors: sampled SD verifies with the worker's distributions."""
+    engine = make_engine(mode="sd", drafter_probs_transport="tensor")
+    try:
+        sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+        out = engine.generate(prompts[:4], sampled)
+        assert all(len(c.output_ids) == 16 for c in out)
+        st = engine.stats()
+        assert st.drafted_tokens > 0 and st.accepted_tokens > 0 and st.drafter_failures == 0
+        assert engine.drafter.drafter._probs is None, "the shared buffer was used, not the tensor transport"
+    finally:
+        engine.close()
