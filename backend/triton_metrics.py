@@ -35,6 +35,10 @@ nightdraft_preemptions_total                    counter
 nightdraft_engine_steps_total                   counter
 nightdraft_drafter_{failures,restarts,catchup_tokens,offloads,reloads}_total   counters
 nightdraft_planner_switches_total               counter
+nightdraft_drafter_request_failures_total       counter    requests decoded without drafts after a
+                                                           drafter fault of their own
+nightdraft_request_errors_total                 counter    requests failed alone inside a step
+nightdraft_engine_healthy                       gauge      0 once the engine loop refuses requests
 nightdraft_psd_{steps,overlapped_steps,fallback_steps}_total                   counters
 ==============================================  =========  ====================================
 """
@@ -67,6 +71,10 @@ EXTRA_COUNTERS = {
     "offloads": ("nightdraft_drafter_offloads_total", "Drafter weights moved off the device"),
     "reloads": ("nightdraft_drafter_reloads_total", "Drafter weights brought back to the device"),
     "planner_switches": ("nightdraft_planner_switches_total", "Planner decisions that changed mode or gamma"),
+    "drafter_request_failures": ("nightdraft_drafter_request_failures_total",
+                                 "Requests the drafter could not serve (they decoded without drafts)"),
+    "request_errors": ("nightdraft_request_errors_total",
+                       "Requests failed alone by a fault inside a batched engine step"),
     "psd_steps": ("nightdraft_psd_steps_total", "Batch-parallel (PSD) steps"),
     "psd_overlapped_steps": ("nightdraft_psd_overlapped_steps_total",
                              "PSD steps whose drafting of one sub-batch overlapped the other's verify"),
@@ -137,6 +145,9 @@ class TritonMetrics:
                                  "under the other (0 when not in PSD mode)", G))
         for attr, (name, desc) in EXTRA_COUNTERS.items():
             metric(attr, family(name, desc, C))
+        metric("healthy", family("nightdraft_engine_healthy",
+                                 "1 while the engine loop serves; 0 once it has failed and refuses "
+                                 "requests (Triton's own readiness cannot show this)", G)).set(1)
 
     # ---------------------------------------------------------------- per request
 
@@ -155,6 +166,9 @@ class TritonMetrics:
             log.exception("recording request metrics failed")
 
     # ---------------------------------------------------------------- engine-wide
+
+    def set_healthy(self, healthy: bool) -> None:
+        self.metrics["healthy"].set(1 if healthy else 0)
 
     def due(self) -> bool:
         """Would a non-forced update run now? (Lets callers skip computing stats.)"""

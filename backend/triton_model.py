@@ -44,11 +44,17 @@ import numpy as np
 from backend.engine_config import ConfigError, EngineConfig
 from backend.engine_loop import EngineLoop, EngineLoopError
 from backend.outputs import RequestOutput, coalesce
-from backend.sampling_params import InvalidRequest, SamplingParams, parse_sampling_json
+from backend.triton_health import ReadinessProbe
+from backend.errors import InvalidRequest, ServerBusy
+from backend.sampling_params import SamplingParams, parse_json_object, parse_sampling_json
 
 log = logging.getLogger("nightdraft.triton")
 
 CANCEL_POLL_S = 0.05
+UNLOAD_POLL_S = 0.25
+# In-flight requests get this long to finish once the server stops (or unloads the model);
+# keep it below tritonserver's --exit-timeout-secs (30 s by default), after which Triton gives up.
+DEFAULT_SHUTDOWN_GRACE_S = 20.0
 PLANNER_SUMMARY = "planner summary: "      # prefix of the JSON line logged at unload
 # Sampling knobs that may also come as tensor inputs (they win over sampling_parameters).
 _SAMPLING_TENSORS = ("ignore_eos", "min_tokens")
@@ -130,13 +136,7 @@ def _request_parameters(request: Any) -> dict[str, Any]:
         return {}
     if isinstance(raw, dict):
         return dict(raw)
-    try:
-        params = json.loads(raw)
-    except (TypeError, json.JSONDecodeError):
-        raise InvalidRequest(f"request parameters are not valid JSON: {raw!r}") from None
-    if not isinstance(params, dict):
-        raise InvalidRequest("request parameters must be a JSON object")
-    return params
+    return parse_json_object(raw, "request parameters")
 
 
 def _sampling_json(pb: Any, request: Any) -> dict[str, Any]:
@@ -336,10 +336,71 @@ class _NightdraftModel:
         self._inflight_lock = threading.Lock()
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = object()
+        self._version = str(args["model_version"])
+        try:
+            self._grace_s = float(self._param("shutdown_grace_s", str(DEFAULT_SHUTDOWN_GRACE_S)))
+        except ValueError:
+            raise pb.TritonModelException(f"{self.model_name}: parameter shutdown_grace_s must be "
+                                          "a number of seconds") from None
+        self._draining = threading.Event()
+        self._closed = threading.Event()
+        self._served = threading.Event()       # execute() has been called
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, name=f"{self.model_name}-engine")
         self._response_thread = threading.Thread(target=self._response_loop,
                                                  name=f"{self.model_name}-responses", daemon=True)
         self._response_thread.start()
-        self.loop = EngineLoop(self.engine, on_step=self._on_step, name=f"{self.model_name}-engine")
+        self._watcher = threading.Thread(target=self._watch_for_unload, name=f"{self.model_name}-unload",
+                                         daemon=True)
+        self._watcher.start()
+
+    # ------------------------------------------------------------------ shutdown is a drain
+
+    def _watch_for_unload(self) -> None:
+        """Notice that Triton is stopping or unloading the model, and drain.
+
+        Triton counts a decoupled request as in flight only while ``execute`` runs, so at
+        shutdown it sees none, starts unloading the model, and waits for the model's streams,
+        which nobody ends: finalize never runs, and after --exit-timeout-secs the process is
+        torn down with every client waiting. The model's readiness is what changes when the
+        unload begins. It is asked over the server's own HTTP endpoint: asking through the
+        Python backend (``pb_utils.is_model_ready``) while the unload begins crashed the stub
+        in about one shutdown in four here (Triton 2.51)."""
+        probe = ReadinessProbe.for_this_server(self.model_name, self._version)
+        if probe is None:
+            log.warning("%s: cannot find this server's HTTP endpoint (started with "
+                        "--allow-http=false?); in-flight requests will not be drained at shutdown",
+                        self.model_name)
+            return
+        seen_ready = False
+        while not self._closed.wait(UNLOAD_POLL_S):
+            ready = probe.ready()
+            # Not ready is "still loading" until the model has been seen ready, or has been
+            # sent a request (which only a ready model is): a shutdown that comes sooner than
+            # the first poll must still be noticed.
+            seen_ready = seen_ready or ready or self._served.is_set()
+            if seen_ready and not ready:
+                self.drain("Triton is stopping or unloading the model")
+                return
+
+    def drain(self, why: str) -> None:
+        """Stop admitting; give in-flight requests the grace period; end the rest with a final
+        error; return once every client has its final response."""
+        if self._draining.is_set():
+            return
+        self._draining.set()
+        log.info("%s: %s: draining %d request(s) for up to %.0f s", self.model_name, why,
+                 self.loop.num_inflight, self._grace_s)
+        try:
+            self.loop.shutdown(abort_inflight=False, grace_s=self._grace_s, timeout_s=10.0)
+        except Exception:
+            log.exception("%s: engine loop shutdown failed", self.model_name)
+        deadline = time.monotonic() + 10.0     # the response thread sends the finals
+        while time.monotonic() < deadline:
+            with self._inflight_lock:
+                if not self._inflight:
+                    break
+            time.sleep(0.02)
+        log.info("%s: drained", self.model_name)
 
     def _param(self, key: str, default: str) -> str:
         params = self.model_config.get("parameters") or {}
@@ -350,6 +411,7 @@ class _NightdraftModel:
 
     def finalize(self) -> None:
         log.info("%s: finalize: aborting %d in-flight request(s)", self.model_name, len(self._inflight))
+        self._closed.set()
         try:
             self.loop.shutdown(abort_inflight=True, timeout_s=30.0)
         except Exception:
@@ -386,6 +448,7 @@ class _NightdraftModel:
 
     def execute(self, requests: list[Any]) -> None:
         now = time.monotonic()
+        self._served.set()
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -407,7 +470,7 @@ class _NightdraftModel:
                     raise
             except InvalidRequest as e:
                 self._send_error(sender, str(e), self.pb.TritonError.INVALID_ARG)
-            except EngineLoopError as e:
+            except (EngineLoopError, ServerBusy) as e:
                 self._send_error(sender, str(e), self.pb.TritonError.UNAVAILABLE)
             except Exception as e:  # a bug; the client still gets an answer and a final flag
                 log.error("%s: request failed before reaching the engine: %s", self.model_name,
@@ -457,6 +520,8 @@ class _NightdraftModel:
             if now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
                 self._poll_cancelled()
+                if self.metrics is not None:
+                    self.metrics.set_healthy(self.loop.healthy or self._draining.is_set())
 
     def _send_batch(self, items: list[tuple]) -> None:
         """Send queued outputs, one response per request: a loop that falls behind the engine
@@ -557,6 +622,10 @@ class _NightdraftModel:
         if out.finish_reason == "abort":
             if st.cancelled:
                 return self._error_response("request cancelled by the client", pb.TritonError.CANCELLED)
+            if self._draining.is_set():
+                return self._error_response(
+                    f"the server is stopping: the request did not finish within the shutdown "
+                    f"grace period ({self._grace_s:.0f} s)", pb.TritonError.UNAVAILABLE)
             return self._error_response("request aborted (the server is shutting down or the "
                                         "request was aborted)", pb.TritonError.UNAVAILABLE)
         p = st.parsed

@@ -1,0 +1,221 @@
+"""A catalogue of bad requests through the real tritonserver: each gets an error that names its
+own problem, followed by the final flag, while a well-formed stream running beside them keeps
+exactly the output it has alone.
+
+Cases come in two kinds: the ones the model answers (its parser, the engine's admission), and
+the ones Triton's core rejects before the model sees them (wrong datatype or shape, an unknown
+input); the latter must not disturb anything either.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+T = 60.0
+
+
+def s(text: str | bytes) -> np.ndarray:
+    return np.array([text if isinstance(text, bytes) else text.encode()], dtype=np.object_)
+
+
+def sp(params) -> tuple[str, np.ndarray, str]:
+    raw = params if isinstance(params, (str, bytes)) else json.dumps(params)
+    return ("sampling_parameters", s(raw), "BYTES")
+
+
+HI = ("text_input", s("hi"), "BYTES")
+DEEP = "[" * 100_000 + "]" * 100_000
+
+# case: (inputs, words the error must contain)
+CATALOGUE = {
+    # -- the prompt
+    "missing text_input": ([("stream", np.array([True]), "BOOL")], "missing required input 'text_input'"),
+    "empty text_input": ([("text_input", s(""), "BYTES")], "input 'text_input' is empty"),
+    "text_input not UTF-8": ([("text_input", s(b"\xff\xfe\xfa"), "BYTES")], "input 'text_input' is not valid UTF-8"),
+    "text_input of two strings": ([("text_input", np.array([b"a", b"b"], dtype=np.object_), "BYTES")],
+                                  "unexpected shape for input 'text_input'"),
+    "text_input as INT32": ([("text_input", np.array([7], dtype=np.int32), "INT32")],
+                            "input 'text_input' data-type is 'INT32', but model 'nightdraft' expects 'BYTES'"),
+    "prompt too long in tokens": ([("text_input", s("x = 1\n" * 3000), "BYTES")], "tokens; the context holds"),
+    "prompt too long in bytes": ([("text_input", s("y" * (4 << 20)), "BYTES")], "bytes; at most"),
+    "unknown input tensor": ([HI, ("temperaturee", np.array([1], dtype=np.int32), "INT32")],
+                             "unexpected inference input 'temperaturee'"),
+    # -- sampling_parameters as a whole
+    "sampling_parameters not JSON": ([HI, sp("{max_tokens: 8")], "sampling_parameters is not valid JSON"),
+    "sampling_parameters a list": ([HI, sp("[1, 2]")], "sampling_parameters must be a JSON object"),
+    "sampling_parameters not UTF-8": ([HI, sp(b"\xff{}")], "input 'sampling_parameters' is not valid UTF-8"),
+    "sampling_parameters nested too deep": ([HI, sp(DEEP)], "sampling_parameters is nested too deeply"),
+    "a 5000-digit integer": ([HI, sp('{"max_tokens": ' + "9" * 5000 + "}")], "sampling_parameters could not be parsed"),
+    "unknown sampling parameter": ([HI, sp({"temperatur": 0.5})], "unknown sampling parameter 'temperatur'"),
+    # -- one value at a time
+    "temperature negative": ([HI, sp({"temperature": -1})], "temperature must be >= 0, got -1.0"),
+    "temperature a word": ([HI, sp({"temperature": "hot"})], "temperature must be a number, got 'hot'"),
+    "temperature huge": ([HI, sp({"temperature": 1e9})], "temperature must be <= 100"),
+    "temperature NaN": ([HI, sp('{"temperature": NaN}')], "temperature must be >= 0, got nan"),
+    "temperature beyond a float": ([HI, sp('{"temperature": 1' + "0" * 400 + "}")], "temperature must be a number"),
+    "top_p above 1": ([HI, sp({"top_p": 1.5})], "top_p must be in (0, 1], got 1.5"),
+    "top_k negative": ([HI, sp({"top_k": -5})], "top_k must be an integer >= 0"),
+    "top_k fractional": ([HI, sp({"top_k": 1.5})], "top_k must be an integer, got 1.5"),
+    "max_tokens zero (tensor)": ([HI, ("max_tokens", np.array([0], dtype=np.int32), "INT32")],
+                                 "max_tokens must be an integer >= 1, got 0"),
+    "max_tokens negative (tensor)": ([HI, ("max_tokens", np.array([-5], dtype=np.int32), "INT32")],
+                                     "max_tokens must be an integer >= 1, got -5"),
+    "max_tokens a word": ([HI, sp({"max_tokens": "many"})], "max_tokens must be an integer, got 'many'"),
+    "max_tokens beyond the context": ([HI, sp({"max_tokens": 10**12})], "max_tokens must be at most the context length"),
+    "max_tokens as INT64": ([HI, ("max_tokens", np.array([8], dtype=np.int64), "INT64")],
+                            "input 'max_tokens' data-type is 'INT64', but model 'nightdraft' expects 'INT32'"),
+    "min_tokens above max_tokens": ([HI, sp({"min_tokens": 9, "max_tokens": 4})], "min_tokens must be in [0, max_tokens]"),
+    "seed 2**64": ([HI, sp({"seed": 2**64, "temperature": 1})], "seed must be an integer in [0, 2**64 - 1]"),
+    "seed negative": ([HI, sp({"seed": -1})], "seed must be an integer in [0, 2**64 - 1]"),
+    "seed a word": ([HI, sp({"seed": "abc"})], "seed must be an integer, got 'abc'"),
+    "stop a number": ([HI, sp({"stop": 5})], "stop must be a string or a list of strings, got 5"),
+    "stop an empty string": ([HI, sp({"stop": [""]})], "stop strings must be non-empty strings"),
+    "too many stop strings": ([HI, sp({"stop": ["a"] * 65})], "at most 64 stop strings"),
+    "stop_token_ids outside the vocabulary": ([HI, sp({"stop_token_ids": [10**8]})], "stop_token_ids [100000000] outside"),
+    "n above 1": ([HI, sp({"n": 2})], "n must be 1"),
+    "best_of above 1": ([HI, sp({"best_of": 3})], "best_of must be 1"),
+    "ignore_eos not a boolean": ([HI, sp({"ignore_eos": "maybe"})], "ignore_eos must be a boolean, got 'maybe'"),
+    "speculative not a boolean": ([HI, sp({"speculative": "nope"})], "speculative must be a boolean, got 'nope'"),
+    "stream not a boolean": ([HI, sp({"stream": "yes"})], "stream must be a boolean, got 'yes'"),
+    "streaming with the prompt": ([HI, ("stream", np.array([True]), "BOOL"),
+                                   ("exclude_input_in_output", np.array([False]), "BOOL")],
+                                  "exclude_input_in_output = false is not supported"),
+}
+
+
+def infer_raw(server, inputs, model: str = "nightdraft"):
+    """One request on its own stream; (text of the responses, error messages, final flag seen)."""
+    import tritonclient.grpc as grpcclient
+
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    cl.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=T)
+    ins = []
+    for name, arr, dt in inputs:
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        ins.append(t)
+    errors, texts, final = [], [], False
+    try:
+        cl.async_stream_infer(model, ins, enable_empty_final_response=True)
+        deadline = time.monotonic() + T
+        while time.monotonic() < deadline:
+            try:
+                result, error = q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if error is not None:
+                errors.append(error.message() if hasattr(error, "message") else str(error))
+                final = True     # an error ends the request (its final flag comes with it)
+                break
+            out = result.as_numpy("text_output")
+            if out is not None:
+                texts += [x.decode() for x in out.reshape(-1)]
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
+                break
+    finally:
+        closer = threading.Thread(target=cl.stop_stream, kwargs={"cancel_requests": False}, daemon=True)
+        closer.start()
+        closer.join(15)
+        stream_closed = not closer.is_alive()
+        if stream_closed:
+            cl.close()
+    return "".join(texts), errors, final and stream_closed
+
+
+@pytest.fixture(scope="module")
+def reference(triton_server):
+    """The well-formed request's output from the offline engine, same configuration as the server."""
+    import torch
+
+    from backend.engine import Engine
+    from backend.engine_config import EngineConfig
+    from backend.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    try:
+        engine = Engine(EngineConfig.from_dict(dict(triton_server.engine_config)))
+        params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        return engine.generate([GOOD_PROMPT], params)[0].text
+    finally:
+        torch.set_num_threads(threads)
+
+
+GOOD_PROMPT = "def parse(argv):\n"
+GOOD_INPUTS = [("text_input", s(GOOD_PROMPT), "BYTES"), ("stream", np.array([True]), "BOOL"),
+               sp({"max_tokens": 160, "temperature": 0, "ignore_eos": True})]
+
+
+def test_the_catalogue_has_thirty_cases_or_more():
+    assert len(CATALOGUE) >= 30
+
+
+def test_every_bad_request_gets_its_own_error_and_spares_a_stream_in_flight(triton_server, reference):
+    good: dict = {}
+    t = threading.Thread(target=lambda: good.update(out=infer_raw(triton_server, GOOD_INPUTS)), daemon=True)
+    t.start()
+    time.sleep(0.5)                       # the good stream is under way
+    wrong = {}
+    for case, (inputs, words) in CATALOGUE.items():
+        _, errors, final = infer_raw(triton_server, inputs)
+        if not errors or words.lower() not in errors[0].lower() or not final:
+            wrong[case] = (errors[:1], final)
+    t.join(T)
+    assert not wrong, "cases without their specific error or final flag:\n" + "\n".join(
+        f"  {c}: {e}, final={f}" for c, (e, f) in wrong.items())
+    text, errors, final = good["out"]
+    assert not errors and final
+    assert text == reference, "a bad request changed another request's output"
+    # and the server goes on: the same request again, alone
+    assert infer_raw(triton_server, GOOD_INPUTS)[0] == reference
+
+
+def test_bad_requests_over_http_get_4xx_with_the_reason(triton_server):
+    def post(path: str, body: bytes):
+        req = urllib.request.Request(f"http://{triton_server.http_url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=T) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    gen = "/v2/models/nightdraft/generate"
+    # A body that is not JSON never reaches the model: Triton 2.51's core answers it (with 500).
+    status, text = post(gen, b"{text_input: 1")
+    assert status >= 400 and "failed to parse the request JSON buffer" in text
+    cases = {
+        "parameters with a bad value": (json.dumps({"text_input": "hi", "parameters": {"temperature": "x"}}).encode(),
+                                        "temperature must be a number, got 'x'"),
+        "sampling_parameters a list": (json.dumps({"text_input": "hi", "sampling_parameters": "[1]"}).encode(),
+                                       "sampling_parameters must be a JSON object"),
+        "seed 2**64": (json.dumps({"text_input": "hi", "sampling_parameters": json.dumps({"seed": 2**64})}).encode(),
+                       "seed must be an integer in [0, 2**64 - 1]"),
+    }
+    for case, (body, words) in cases.items():
+        status, text = post(gen, body)
+        assert 400 <= status < 500 and words.lower() in text.lower(), f"{case}: {status} {text}"
+
+
+def test_the_largest_seed_through_the_ensemble_is_served(triton_server):
+    """The ensemble's UINT64 random_seed reaches the engine's seeding (and its drafter's)."""
+    from client.triton_client import GrpcClient
+
+    ens = GrpcClient(triton_server.grpc_url, "ensemble", schema="ensemble", timeout_s=T)
+    direct = GrpcClient(triton_server.grpc_url, "nightdraft", timeout_s=T)
+    for seed in (2**64 - 1, 2**63):
+        a = ens.generate("def f(x):\n", max_tokens=12, temperature=1.0, seed=seed)
+        b = ens.generate("def f(x):\n", max_tokens=12, temperature=1.0, seed=seed)
+        assert a.text and a.text == b.text, "a seeded request is reproducible"
+        c = direct.generate("def f(x):\n", max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+        assert c.finish_reason == "length"
