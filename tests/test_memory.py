@@ -28,12 +28,13 @@ def ar_outputs(prompts):
 
 
 def sd_engine_with_memory(kv_blocks: int) -> tuple[Engine, ElasticMemory]:
+    """A fixed-mode engine and its own elastic memory (which no planner drives here)."""
     from backend.model_config import ModelConfig
     block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), gamma=4,
                                  kv_cache_bytes=kv_blocks * block))
-    weights = sum(p.numel() * p.element_size() for p in engine.target.parameters())
-    return engine, ElasticMemory(engine.kv, engine.drafter, engine.scheduler, block, weights)
+    assert isinstance(engine.memory, ElasticMemory) and engine.memory.block_bytes == block
+    return engine, engine.memory
 
 
 def drafter_weights(engine: Engine) -> dict[str, torch.Tensor]:

@@ -321,25 +321,31 @@ def _grpc_raw(server, inputs: list[tuple[str, object, str]], model="nightdraft")
 
 LONG_PROMPT = "x = 1\n" * 3000
 
-BAD_INPUTS = {
-    "missing text_input": ([("stream", True, "BOOL")], "text_input"),
-    "empty text_input": ([("text_input", b"", "BYTES")], "empty"),
+BAD_INPUTS = {   # each with the words of its own reason, not words any refusal would contain
+    "missing text_input": ([("stream", True, "BOOL")], "missing required input 'text_input'"),
+    "empty text_input": ([("text_input", b"", "BYTES")], "input 'text_input' is empty"),
     "malformed JSON": ([("text_input", b"hi", "BYTES"), ("sampling_parameters", b"{max_tokens: 8", "BYTES")],
-                       "not valid JSON"),
+                       "sampling_parameters is not valid JSON"),
     "JSON not an object": ([("text_input", b"hi", "BYTES"), ("sampling_parameters", b"[1, 2]", "BYTES")],
-                           "JSON object"),
+                           "sampling_parameters must be a JSON object"),
     "unknown sampling parameter": ([("text_input", b"hi", "BYTES"),
-                                    ("sampling_parameters", b'{"temperatur": 0.5}', "BYTES")], "temperatur"),
+                                    ("sampling_parameters", b'{"temperatur": 0.5}', "BYTES")],
+                                   "unknown sampling parameter 'temperatur'"),
     "negative temperature": ([("text_input", b"hi", "BYTES"),
-                              ("sampling_parameters", b'{"temperature": "-1"}', "BYTES")], "temperature"),
+                              ("sampling_parameters", b'{"temperature": "-1"}', "BYTES")],
+                             "temperature must be >= 0, got -1.0"),
     "top_p out of range": ([("text_input", b"hi", "BYTES"), ("sampling_parameters", b'{"top_p": 1.5}', "BYTES")],
-                           "top_p"),
-    "max_tokens zero": ([("text_input", b"hi", "BYTES"), ("max_tokens", 0, "INT32")], "max_tokens"),
+                           "top_p must be in (0, 1], got 1.5"),
+    "max_tokens zero": ([("text_input", b"hi", "BYTES"), ("max_tokens", 0, "INT32")],
+                        "max_tokens must be an integer >= 1, got 0"),
     "max_tokens not a number": ([("text_input", b"hi", "BYTES"),
-                                 ("sampling_parameters", b'{"max_tokens": "many"}', "BYTES")], "max_tokens"),
-    "prompt longer than the context": ([("text_input", LONG_PROMPT.encode(), "BYTES")], "tokens"),
+                                 ("sampling_parameters", b'{"max_tokens": "many"}', "BYTES")],
+                                "max_tokens must be an integer, got 'many'"),
+    "prompt longer than the context": ([("text_input", LONG_PROMPT.encode(), "BYTES")],
+                                       "tokens; the context holds"),
     "streaming with the prompt": ([("text_input", b"hi", "BYTES"), ("stream", True, "BOOL"),
-                                   ("exclude_input_in_output", False, "BOOL")], "exclude_input_in_output"),
+                                   ("exclude_input_in_output", False, "BOOL")],
+                                  "exclude_input_in_output = false is not supported"),
 }
 
 
@@ -371,9 +377,9 @@ def test_bad_input_over_http(triton_server):
                         {"text_input": "hi", "sampling_parameters": "{oops"})
     assert status == 400 and b"not valid JSON" in body
     # generate_stream answers the error as an event and then closes the stream
-    with pytest.raises(ClientError, match="temperature"):
+    with pytest.raises(ClientError, match=r"temperature must be >= 0, got -3\.0"):
         collect(http(triton_server).stream("hi", temperature=-3.0))
-    with pytest.raises(ClientError, match="tokens"):
+    with pytest.raises(ClientError, match="tokens; the context holds"):
         collect(http(triton_server).stream(LONG_PROMPT))
 
 
