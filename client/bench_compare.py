@@ -14,7 +14,7 @@ same forwards (planner/cost_model.py).
 """
 from __future__ import annotations
 
-import argparse
+
 import json
 import os
 import statistics
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from planner.cost_model import CostProfile, predict, psd_speedup_bound
-from .bench_offline import add_engine_args
-from .prompts import load_prompts
+from client.bench_offline import add_engine_args
+from client.prompts import load_prompts
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
 
@@ -67,8 +67,8 @@ def _apply(p: Placement) -> None:
 
 
 def build_engines(args, names: list[str]) -> dict:
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
 
     one, both = _placements()
     common = dict(target=args.target, device=args.device, dtype=args.dtype,
@@ -93,8 +93,8 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
               reps: int = 5) -> CostProfile:
     """Time bare forwards of the target (b x 1 and b x (gamma+1) tokens) and of the drafter
     (b x 1), with ~128 tokens of context each, under the target's placement."""
-    from backend.kv_cache import PagedKVCache
-    from backend.loader import load_model
+    from backend.model.kv_cache import PagedKVCache
+    from backend.model.loader import load_model
 
     _apply(placement)
     profile = CostProfile()
@@ -113,7 +113,7 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
                 times = []
                 with torch.inference_mode():
                     for r in range(reps + 1):
-                        meta = kv.prepare(ids, [ctx] * b, [n] * b)
+                        meta = model.prepare(kv, ids, [ctx] * b, [n] * b)
                         x = torch.randint(0, model.config.vocab_size, (b * n,))
                         t0 = time.perf_counter()
                         model(x, meta, kv, None)
@@ -129,7 +129,7 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
 
 def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,
               max_tokens: int, temperature: float) -> dict:
-    from backend.sampling_params import SamplingParams
+    from backend.sampling.params import SamplingParams
 
     _apply(placement)
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,

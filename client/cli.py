@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from . import bench_compare, bench_dynamic, bench_offline, bench_serve, bench_vllm, launcher, triton_client
+from client import bench_compare, bench_dynamic, bench_offline, bench_serve, bench_vllm, launcher, triton_client
 
 
 def build_parser() -> argparse.ArgumentParser:

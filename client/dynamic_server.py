@@ -7,13 +7,14 @@ time on its own gRPC stream (the client threads live in this process). TTFT and 
 latency are what the client sees. The planner's state comes from the model's own metrics: the
 endpoint is scraped every ``scrape_s`` for the gamma, pipeline-mode and drafter-state gauges, the
 running/waiting requests and the target KV pool's size, and the offload, reload and switch
-counters; the planner's own summary (arm counts, what each offload promised and delivered) is read
-from the line the model logs at unload.
+counters; the planner's own summary (arm counts, what each offload promised and delivered) is the
+JSON file the model writes at unload (its ``planner_summary_file`` parameter, set here).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -24,22 +25,54 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dynamic_report import Record, RunResult
-from .prompts import REPO
+from backend.serving.planner_io import SUMMARY_FILE
+
+from client.dynamic_report import Record, RunResult
+from client.prompts import REPO
 
 MODEL = "nightdraft"
 READY_TIMEOUT_S = 300
+PLANNER_SUMMARY_NAME = "planner_summary.json"
 
 
 def write_repository(root: Path, engine_config: dict) -> Path:
-    """A model repository with the nightdraft model only, configured by `engine_config`."""
-    src = REPO / "model_repository" / MODEL
-    dst = root / "model_repository" / MODEL
+    """A model repository with the nightdraft model only, configured by `engine_config`; the
+    model writes its planner summary to :func:`planner_summary_path` at unload."""
+    src = REPO / "model_repository"
+    repo = root / "model_repository"
+    dst = repo / MODEL
     (dst / "1").mkdir(parents=True)
-    shutil.copy(src / "config.pbtxt", dst / "config.pbtxt")
-    shutil.copy(src / "1" / "model.py", dst / "1" / "model.py")
+    shutil.copy(src / "bootstrap.py", repo / "bootstrap.py")      # every model.py runs it
+    pbtxt = (src / MODEL / "config.pbtxt").read_text()
+    (dst / "config.pbtxt").write_text(
+        set_model_parameter(pbtxt, SUMMARY_FILE, str(planner_summary_path(repo).resolve())))
+    shutil.copy(src / MODEL / "1" / "model.py", dst / "1" / "model.py")
     (dst / "1" / "engine.json").write_text(json.dumps(engine_config, indent=2))
-    return root / "model_repository"
+    return repo
+
+
+def set_model_parameter(pbtxt: str, key: str, value: str) -> str:
+    """config.pbtxt text with the string parameter `key` set to `value` (added if absent)."""
+    pattern = re.compile(r'(key:\s*"%s"\s*value:\s*\{\s*string_value:\s*)"[^"]*"' % re.escape(key))
+    literal = json.dumps(value)
+    if pattern.search(pbtxt):
+        return pattern.sub(lambda m: m.group(1) + literal, pbtxt, count=1)
+    return pbtxt.rstrip("\n") + f'\nparameters: {{\n  key: "{key}"\n  value: {{ string_value: {literal} }}\n}}\n'
+
+
+def planner_summary_path(repository: Path) -> Path:
+    """Where the model of a repository from :func:`write_repository` writes its planner summary
+    (next to the repository: Triton takes every folder inside it for a model)."""
+    return Path(repository).parent / PLANNER_SUMMARY_NAME
+
+
+def read_planner_summary(repository: Path) -> dict:
+    """The planner summary the model wrote at unload (an empty dict if it wrote none)."""
+    path = planner_summary_path(repository)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
 
 
 def scrape_state(url: str) -> dict | None:
@@ -105,36 +138,15 @@ class _Scraper(threading.Thread):
 class Served:
     client: object
     metrics_url: str
-    planner_summary: dict = field(default_factory=dict)   # logged by the model at unload
-
-
-def planner_summary_from_log(text: str) -> dict:
-    """The last planner summary the model logged (an empty dict if none)."""
-    from backend.triton_model import PLANNER_SUMMARY
-    found = {}
-    for line in text.splitlines():
-        if PLANNER_SUMMARY not in line:
-            continue
-        # tritonserver writes a message as a JSON string literal: I1201 ... file.py:75] "..."
-        quote = line.find('"')
-        if quote >= 0 and line.endswith('"'):
-            try:
-                line = json.loads(line[quote:])
-            except json.JSONDecodeError:
-                pass
-        try:
-            found = json.loads(line[line.find(PLANNER_SUMMARY) + len(PLANNER_SUMMARY):])
-        except json.JSONDecodeError:
-            pass
-    return found
+    planner_summary: dict = field(default_factory=dict)   # written by the model at unload
 
 
 @contextlib.contextmanager
 def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
     """A tritonserver running `engine_config`, warmed up; yields a :class:`Served` whose
     ``planner_summary`` is filled in once the server has stopped."""
-    from .launcher import TritonServer, free_port
-    from .triton_client import GrpcClient
+    from client.launcher import TritonServer, free_port
+    from client.triton_client import GrpcClient
 
     with tempfile.TemporaryDirectory(prefix="nightdraft-dynamic-") as tmp:
         repo = write_repository(Path(tmp), engine_config)
@@ -155,7 +167,7 @@ def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
             raise
         finally:
             server.stop(timeout_s=30)
-        served.planner_summary = planner_summary_from_log(log_file.read_text(errors="replace"))
+        served.planner_summary = read_planner_summary(repo)
 
 
 def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) -> float:
@@ -172,7 +184,7 @@ def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) ->
 
 
 def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2) -> RunResult:
-    from .triton_client import ClientError
+    from client.triton_client import ClientError
     with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature) as served:
         run = _replay(served.client, served.metrics_url, arrivals, bounds, args, scrape_s, ClientError)
     run.planner_summary = served.planner_summary

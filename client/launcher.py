@@ -13,7 +13,8 @@ Where the server comes from, in order:
 The server runs with this environment's ``bin`` first on ``PATH`` (the Python backend stub uses
 the first ``python3`` on ``PATH``, so models import this environment's packages), the wheel's
 shared libraries on ``LD_LIBRARY_PATH``, and ``$NIGHTDRAFT_ROOT`` naming the directory that
-holds the ``backend`` package (the models' ``model.py`` use it when the package is not installed).
+holds the ``backend`` package (``model_repository/bootstrap.py``, which every ``model.py`` runs,
+uses it when the package is not installed).
 
 Security defaults: the server listens on 127.0.0.1 unless told otherwise (``--host``), and
 Triton's administrative APIs (:data:`RESTRICTED_APIS`: model load/unload, shared-memory
@@ -194,8 +195,8 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     if libdirs:
         old = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libdirs + old)
-    # The Python backend stub builds its own sys.path (PYTHONPATH is not honoured); model.py
-    # falls back to this directory when the package is not installed.
+    # The Python backend stub builds its own sys.path (PYTHONPATH is not honoured); the model
+    # repository's bootstrap.py falls back to this directory when the package is not installed.
     if (REPO_ROOT / "backend" / "__init__.py").is_file():
         env.setdefault("NIGHTDRAFT_ROOT", str(REPO_ROOT))
     # The stub must see numpy < 2 and this environment; never a user site directory.

@@ -1,11 +1,20 @@
 """The adaptive planner (Nightjar): a contextual bandit over (mode, gamma), load signals from the
-engine and Triton's metrics endpoint, and a cost model of AR / SD / PSD. Engine-agnostic: it
-depends on measurements only."""
-from .bandit import ContextualBandit
-from .cost_model import CostProfile, expected_tokens_per_call, predict
-from .planner import AR, Decision, Planner, batch_bin
-from .signals import EngineSignals, LoadSignals, TritonMetricsSignals, parse_metrics
+engine and the serving front end, and a cost model of AR / SD / PSD. Engine-agnostic: it
+depends on measurements only.
 
-__all__ = ["AR", "ContextualBandit", "CostProfile", "Decision", "EngineSignals", "LoadSignals",
-           "Planner", "TritonMetricsSignals", "batch_bin", "expected_tokens_per_call",
-           "parse_metrics", "predict"]
+The engine needs :class:`Planner` (its one controller; the module map is in
+:mod:`planner.planner`), :class:`PlannerConfig` (its settings, from engine.json's ``"planner"``
+object through :meth:`PlannerConfig.from_dict`), :class:`Decision` / :data:`AR`, and
+:class:`LoadSignals` with :class:`EngineSignals` to make them.
+"""
+from planner.arms import AR, Decision
+from planner.bandit import ContextStats, ContextualBandit
+from planner.config import BanditConfig, PlannerConfig
+from planner.contexts import batch_bin
+from planner.cost_model import CostProfile, expected_tokens_per_call, predict
+from planner.planner import Planner
+from planner.signals import EngineSignals, LoadSignals
+
+__all__ = ["AR", "BanditConfig", "ContextStats", "ContextualBandit", "CostProfile", "Decision",
+           "EngineSignals", "LoadSignals", "Planner", "PlannerConfig",
+           "batch_bin", "expected_tokens_per_call", "predict"]

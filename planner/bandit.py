@@ -38,6 +38,11 @@ The rule, per context bin (every statistic below is kept separately for each bin
   level), so blocks are short again and the bin re-explores. A bin not seen for ``stale_after``
   steps is shrunk to ``shrink_to`` observations per arm when it comes back.
 
+Settings: :class:`~planner.config.BanditConfig` (validated there). Inspection:
+``best(context)``, ``means(context)``, ``context_stats(context)`` (a :class:`ContextStats`: best
+and held arm, steps, blocks, shifts, plays, means), ``stats()``, ``arm_counts()``, and the
+counters ``switches``, ``shifts``, ``stale_resets``.
+
 ``select(context)`` is called once per step and returns the arm to run; ``update(context, arm,
 loss)`` reports the step's loss for the arm actually run. Both are cheap: a decision (a few tens
 of microseconds) is made only when a block ends. ``select(context, allowed=...)`` restricts the
@@ -49,9 +54,12 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
+
+from planner.config import BanditConfig, replace_settings
 
 Arm = Hashable
 Context = Hashable
@@ -82,53 +90,37 @@ class _Bin:
         self.shifts = 0
 
 
+@dataclass(frozen=True)
+class ContextStats:
+    """One bin, as :meth:`ContextualBandit.context_stats` reports it."""
+    best: Arm | None                         # lowest estimated loss
+    held: Arm | None                         # the arm of the block held (or paused) there
+    steps: int                               # steps observed in the bin
+    blocks: int                              # blocks started there
+    shifts: int                              # loss changes detected there
+    plays: dict                              # {arm: steps it ran there}
+    blocks_per_arm: dict                     # {arm: blocks started with it}
+    means: dict                              # {arm: (estimated mean loss, evidence)}
+
+
 class ContextualBandit:
-    def __init__(self, arms: Sequence[Arm], *,
+    """``ContextualBandit(arms, config, seed=..., switch_cost=..., prior=...)``; keyword
+    ``settings`` override fields of ``config`` (default :class:`~planner.config.BanditConfig`),
+    e.g. ``ContextualBandit(arms, discount=1.0)``."""
+
+    def __init__(self, arms: Sequence[Arm], config: BanditConfig | None = None, *, seed: int = 0,
                  switch_cost: Callable[[Arm, Arm], float] | None = None,
-                 explore: float = 1.0, seed: int = 0, initial_block: int = 1,
-                 block_growth: float = 2.0,
-                 prior: Callable[[Context, Arm], float] | None = None,
-                 prior_weight: float = 2.0, max_block: int = 256, min_hold: int = 1,
-                 hysteresis: float = 0.0, switch_horizon: int = 256, visit_gap: int = 16,
-                 discount: float = 0.9995,
-                 stale_after: int = 5000, shrink_to: float = 4.0, shift_keep: float = 0.3,
-                 detect_sigmas: float = 5.0, detect_rel: float = 0.15, detect_alpha: float = 0.1,
-                 detect_min_n: float = 20.0, noise_floor: float = 0.02, noise_prior: float = 0.2):
+                 prior: Callable[[Context, Arm], float] | None = None, **settings):
         if not arms:
             raise ValueError("the bandit needs at least one arm")
         if len(set(arms)) != len(arms):
             raise ValueError("arms must be distinct")
-        if initial_block < 1 or max_block < initial_block:
-            raise ValueError("need 1 <= initial_block <= max_block")
-        if block_growth < 1.0:
-            raise ValueError("block_growth must be >= 1")
-        if not 0.0 < discount <= 1.0:
-            raise ValueError("discount must be in (0, 1]")
-        if explore < 0:
-            raise ValueError("explore must be >= 0")
+        self.config = cfg = replace_settings(config or BanditConfig(), settings)
         self.arms = list(arms)
         self._index = {a: i for i, a in enumerate(self.arms)}
         self.switch_cost = switch_cost
-        self.explore = float(explore)
-        self.initial_block = int(initial_block)
-        self.block_growth = float(block_growth)
-        self.max_block = int(max_block)
         self.prior = prior
-        self.prior_weight = float(prior_weight) if prior is not None else 0.0
-        self.min_hold = max(int(min_hold), 1)
-        self.switch_horizon = max(int(switch_horizon), 1)
-        self.visit_gap = max(int(visit_gap), 1)
-        self.hysteresis = float(hysteresis)
-        self.discount = float(discount)
-        self.stale_after = int(stale_after)
-        self.shrink_to = float(shrink_to)
-        self.shift_keep = float(shift_keep)
-        self.detect_sigmas = float(detect_sigmas)
-        self.detect_rel = float(detect_rel)
-        self.detect_alpha = float(detect_alpha)
-        self.detect_min_n = float(detect_min_n)
-        self.noise_floor = float(noise_floor)
-        self.noise_prior = float(noise_prior)
+        self.prior_weight = cfg.prior_weight if prior is not None else 0.0
         self._rng = random.Random(seed)
         self._bins: dict[Context, _Bin] = {}
         self._last_ctx: Context | None = None
@@ -146,7 +138,7 @@ class ContextualBandit:
     def _bin(self, context: Context) -> _Bin:
         b = self._bins.get(context)
         if b is None:
-            b = self._bins[context] = _Bin(len(self.arms), float(self.switch_horizon))
+            b = self._bins[context] = _Bin(len(self.arms), float(self.config.switch_horizon))
         return b
 
     def _shrink(self, b: _Bin, keep: float) -> None:
@@ -197,13 +189,13 @@ class ContextualBandit:
         else:
             resid, dof = 0.0, 0.0
         k0 = 2.0
-        var = (resid + k0 * (self.noise_prior * scale) ** 2) / (dof + k0)
-        sigma = max(math.sqrt(var), self.noise_floor * scale)
+        var = (resid + k0 * (self.config.noise_prior * scale) ** 2) / (dof + k0)
+        sigma = max(math.sqrt(var), self.config.noise_floor * scale)
         return means, cnt, sigma, known
 
     def _block_len(self, b: _Bin, i: int) -> int:
-        L = math.ceil((self.block_growth - 1.0) * float(b.n[i]))
-        return int(min(max(L, self.initial_block), self.max_block))
+        L = math.ceil((self.config.block_growth - 1.0) * float(b.n[i]))
+        return int(min(max(L, self.config.initial_block), self.config.max_block))
 
     def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None) -> int:
         means, cnt, sigma, known = self._estimates(context, b)
@@ -212,16 +204,16 @@ class ContextualBandit:
         if untried:
             return self._rng.choice(untried)
         total = float(np.sum(cnt))
-        bonus = self.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
+        bonus = self.config.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
         index = means - bonus
         if allowed is not None:
             index[[i for i in range(len(self.arms)) if i not in allowed]] = np.inf
         cur = self._index.get(self.current) if self.current is not None else None
-        if cur is not None and self.hysteresis > 0 and math.isfinite(means[cur]):
-            index[cur] -= self.hysteresis * abs(means[cur])
+        if cur is not None and self.config.hysteresis > 0 and math.isfinite(means[cur]):
+            index[cur] -= self.config.hysteresis * abs(means[cur])
         if self.switch_cost is not None and cur is not None:
             stay = max(b.dwell, float(self.step - b.visit_start + 1))
-            horizon = max(min(stay, float(self.switch_horizon)), 1.0)
+            horizon = max(min(stay, float(self.config.switch_horizon)), 1.0)
             for i, a in enumerate(self.arms):
                 if i != cur:
                     c = float(self.switch_cost(self.current, a))
@@ -249,14 +241,14 @@ class ContextualBandit:
         entering = not self._has_last or context != self._last_ctx
         if entering:
             gap = self.step - b.last_seen
-            if b.last_seen == 0 or gap > self.visit_gap:
+            if b.last_seen == 0 or gap > self.config.visit_gap:
                 # a new visit (short excursions to a neighbouring bin do not end one)
                 if b.last_seen > 0:
                     b.dwell = 0.7 * b.dwell + 0.3 * (b.last_seen - b.visit_start + 1)
                 b.visit_start = self.step
-            if b.t > 0 and gap > self.stale_after:
-                self._shrink(b, self.shrink_to)
-                b.dwell = float(self.switch_horizon)
+            if b.t > 0 and gap > self.config.stale_after:
+                self._shrink(b, self.config.shrink_to)
+                b.dwell = float(self.config.switch_horizon)
                 self.stale_resets += 1
             self._last_ctx, self._has_last = context, True
         b.last_seen = self.step
@@ -273,7 +265,7 @@ class ContextualBandit:
             b.block_left -= 1
             return self._play(i)
         if (cur is not None and i != cur and (allow is None or cur in allow)
-                and self.step - self._last_switch_step < self.min_hold):
+                and self.step - self._last_switch_step < self.config.min_hold):
             b.block_left = 0                            # too soon to switch again; decide next step
             return self._play(cur)
         L = self._block_len(b, i)
@@ -305,8 +297,8 @@ class ContextualBandit:
             return
         i = self._index[arm]
         b = self._bin(context)
-        if self.discount < 1.0:
-            d = self.discount
+        if self.config.discount < 1.0:
+            d = self.config.discount
             b.n *= d
             b.s *= d
             b.ss *= d
@@ -317,7 +309,7 @@ class ContextualBandit:
         b.plays[i] += 1
         self._plays_total[i] += 1
         # change detection on the arm that ran
-        a = self.detect_alpha
+        a = self.config.detect_alpha
         if b.ewma_n[i] == 0:
             b.ewma[i], b.ewma_w[i] = w * loss, w
         else:
@@ -325,18 +317,18 @@ class ContextualBandit:
             b.ewma_w[i] += a * (w - b.ewma_w[i])
         b.ewma_n[i] += 1
         n = b.n[i]
-        if b.ewma_n[i] >= 2.0 / a and n >= self.detect_min_n:
+        if b.ewma_n[i] >= 2.0 / a and n >= self.config.detect_min_n:
             m = b.s[i] / n
             sd = math.sqrt(max(b.ss[i] / n - m * m, 0.0))
-            thr = max(self.detect_sigmas * sd * math.sqrt(a / (2.0 - a)), self.detect_rel * abs(m))
+            thr = max(self.config.detect_sigmas * sd * math.sqrt(a / (2.0 - a)), self.config.detect_rel * abs(m))
             if abs(b.ewma[i] / b.ewma_w[i] - m) > thr:
                 self._on_shift(b, i)
 
     def _on_shift(self, b: _Bin, i: int) -> None:
         level = float(b.ewma[i] / b.ewma_w[i])
-        self._shrink(b, self.shift_keep)
+        self._shrink(b, self.config.shift_keep)
         # the changed arm: its old mean is wrong; believe the recent level, weakly
-        k = self.shrink_to
+        k = self.config.shrink_to
         b.n[i], b.s[i], b.ss[i] = k, k * level, k * level * level
         b.ewma_n[:] = 0
         b.shifts += 1
@@ -349,16 +341,21 @@ class ContextualBandit:
         b = self._bins.get(context)
         if b is None:
             return None
-        means, _, _, known = self._estimates(context, b)
+        return self._best_of(*self._estimates(context, b))
+
+    def _best_of(self, means, _cnt, _sigma, known) -> Arm | None:
         if not known.any():
             return None
         return self.arms[int(np.argmin(np.where(known, means, np.inf)))]
 
     def means(self, context: Context) -> dict:
+        """{arm: (estimated mean loss, evidence)} for the arms known in `context`."""
         b = self._bins.get(context)
         if b is None:
             return {}
-        means, cnt, _, known = self._estimates(context, b)
+        return self._means_of(*self._estimates(context, b))
+
+    def _means_of(self, means, cnt, _sigma, known) -> dict:
         return {a: (float(means[i]), float(cnt[i])) for i, a in enumerate(self.arms) if known[i]}
 
     @property
@@ -368,15 +365,25 @@ class ContextualBandit:
     def arm_counts(self) -> dict:
         return {a: int(self._plays_total[i]) for i, a in enumerate(self.arms) if self._plays_total[i]}
 
+    def context_stats(self, context: Context) -> ContextStats | None:
+        """What the bandit knows and does in one bin (None if never seen)."""
+        b = self._bins.get(context)
+        if b is None:
+            return None
+        est = self._estimates(context, b)
+        return ContextStats(
+            best=self._best_of(*est), held=self.arms[b.block_arm] if b.block_arm is not None else None,
+            steps=int(b.t), blocks=b.blocks, shifts=b.shifts,
+            plays={a: int(b.plays[i]) for i, a in enumerate(self.arms) if b.plays[i]},
+            blocks_per_arm={a: int(b.chosen[i]) for i, a in enumerate(self.arms) if b.chosen[i]},
+            means=self._means_of(*est))
+
     def stats(self) -> dict:
         per = {}
-        for ctx, b in self._bins.items():
-            held = self.arms[b.block_arm] if b.block_arm is not None else None
-            per[ctx] = {"best": self.best(ctx), "held": held, "steps": int(b.t), "blocks": b.blocks,
-                        "shifts": b.shifts,
-                        "plays": {a: int(b.plays[i]) for i, a in enumerate(self.arms) if b.plays[i]},
-                        "blocks_per_arm": {a: int(b.chosen[i]) for i, a in enumerate(self.arms)
-                                           if b.chosen[i]}}
+        for ctx in self._bins:
+            cs = self.context_stats(ctx)
+            per[ctx] = {"best": cs.best, "held": cs.held, "steps": cs.steps, "blocks": cs.blocks,
+                        "shifts": cs.shifts, "plays": cs.plays, "blocks_per_arm": cs.blocks_per_arm}
         return {"steps": self.step, "switches": self.switches, "shifts": self.shifts,
                 "stale_resets": self.stale_resets, "current": self.current,
                 "arm_counts": self.arm_counts(), "contexts": per}

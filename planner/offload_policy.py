@@ -14,9 +14,9 @@ Under sustained pressure the planner asks for an offload when either
   at this batch size, so its memory is better spent on KV), or
 * plain decoding at the batch the grown pool would admit is predicted to beat the best
   speculative arm at the batch that fits now by ``offload_gain`` or more (with KV the
-  bottleneck, a speculative arm can win per step yet lose to the bigger batch). The planner
-  makes that prediction from what it measured (:meth:`Planner.offload_gain`);
-  ``offload_gain <= 0`` offloads on sustained pressure alone.
+  bottleneck, a speculative arm can win per step yet lose to the bigger batch). The prediction
+  comes from what the planner measured (:meth:`MemoryRule.estimate`, the planner's
+  ``offload_gain``); ``offload_gain <= 0`` offloads on sustained pressure alone.
 
 Once offloaded, plain decoding is held while the load would not fit the drafter-on pool (a
 reload then would shrink the pool under running requests and preempt them): the pressure level
@@ -24,44 +24,48 @@ must have fallen below ``clear_level`` and the used blocks below ``reload_kv_usa
 (default: 0.8 x ``kv_pressure``, room for the running requests to grow), for ``reload_after_s``
 seconds. Then the bandit may choose speculation again and the engine reloads. The thresholds
 apart (a level of one half to offload, ``clear_level`` to come back; ``kv_pressure`` against
-``reload_kv_usage``) are the hysteresis that keeps the drafter from bouncing.
+``reload_kv_usage``) are the hysteresis that keeps the drafter from bouncing. An offload taken on
+the memory-aware road is checked (:class:`OffloadCheck`): if plain decoding with the grown pool
+does not beat the per-token latency it was taken to beat, the hold ends early and that road stays
+closed until the pressure level falls below ``clear_level``.
+
+The parts: :class:`OffloadPolicy` (the pressure level and its thresholds), :class:`OffloadCheck`
+(one offload's verdict), :class:`DrafterPlace` (where the drafter's weights are taken to be) and
+:class:`MemoryRule`, which the planner calls: ``hold`` once per step before deciding (plain
+decoding only?), ``wants_offload`` while plain decoding runs, ``observe_ar`` after a plain step.
 """
 from __future__ import annotations
 
-from .signals import LoadSignals
+import math
+
+from planner.arms import AR
+from planner.config import PlannerConfig
+from planner.signals import LoadSignals
 
 
 class OffloadPolicy:
-    def __init__(self, *, offload_after_steps: int = 50, offload_after_s: float = 1.0,
-                 kv_pressure: float = 0.9, gpu_memory_pressure: float = 0.95,
-                 offload_gain: float = 1.05, reload_after_s: float = 1.0,
-                 clear_level: float = 0.2, reload_kv_usage: float | None = None):
-        if offload_after_steps < 1:
-            raise ValueError("offload_after_steps must be >= 1")
-        if not 0.0 < kv_pressure <= 1.0:
-            raise ValueError("kv_pressure must be in (0, 1]")
+    """The pressure level and the thresholds around it (the rule above), from a
+    :class:`~planner.config.PlannerConfig`'s memory settings."""
+
+    def __init__(self, cfg: PlannerConfig, *, clear_level: float = 0.2,
+                 reload_kv_usage: float | None = None):
         if not 0.0 <= clear_level < 0.5:
             raise ValueError("clear_level must be in [0, 0.5)")
-        self.offload_after_steps = int(offload_after_steps)
-        self.offload_after_s = float(offload_after_s)
-        self.kv_pressure = float(kv_pressure)
-        self.gpu_memory_pressure = float(gpu_memory_pressure)
-        self.offload_gain = float(offload_gain)
-        self.reload_after_s = float(reload_after_s)
+        self.cfg = cfg
         self.clear_level = float(clear_level)
-        self.reload_kv_usage = 0.8 * self.kv_pressure if reload_kv_usage is None else float(reload_kv_usage)
+        self.reload_kv_usage = 0.8 * cfg.kv_pressure if reload_kv_usage is None else float(reload_kv_usage)
         self.level = 0.0                       # EWMA of the pressure indicator
-        self._alpha = 1.0 / self.offload_after_steps
+        self._alpha = 1.0 / cfg.offload_after_steps
         self._high_since: float | None = None  # when the level last rose above one half
         self._clear_since: float | None = None  # when the load last started to fit the base pool
         self.last_gain: float | None = None    # the last predicted gain of an offload
 
     def memory_pressure(self, s: LoadSignals) -> bool:
         """This step's indicator: requests wait, or the target's pool (or GPU) is nearly full."""
-        if s.waiting > 0 or s.kv_usage >= self.kv_pressure:
+        if s.waiting > 0 or s.kv_usage >= self.cfg.kv_pressure:
             return True
         frac = s.gpu_memory_fraction
-        return frac is not None and frac >= self.gpu_memory_pressure
+        return frac is not None and frac >= self.cfg.gpu_memory_pressure
 
     def update(self, s: LoadSignals, now: float) -> None:
         """Once per step, before deciding."""
@@ -79,18 +83,18 @@ class OffloadPolicy:
             self._clear_since = None
 
     def sustained(self, now: float) -> bool:
-        return self._high_since is not None and now - self._high_since >= self.offload_after_s
+        return self._high_since is not None and now - self._high_since >= self.cfg.offload_after_s
 
     def gain_pays(self, gain: float | None) -> bool:
         """Is an offload worth it, given the planner's predicted gain (None: no prediction)?"""
         self.last_gain = gain
-        if self.offload_gain <= 0:
+        if self.cfg.offload_gain <= 0:
             return True
-        return gain is not None and gain >= self.offload_gain
+        return gain is not None and gain >= self.cfg.offload_gain
 
     def may_reload(self, now: float) -> bool:
         """Would the load fit the drafter-on pool, and has it for ``reload_after_s``?"""
-        return self._clear_since is not None and now - self._clear_since >= self.reload_after_s
+        return self._clear_since is not None and now - self._clear_since >= self.cfg.reload_after_s
 
 
 class OffloadCheck:
@@ -125,3 +129,168 @@ class OffloadCheck:
         if self.steps < self.settle_steps + self.verify_steps or not self._tokens:
             return None
         return self.delivered_s_per_token < self.baseline
+
+
+class DrafterPlace:
+    """Where the planner takes the drafter's weights to be: the engine's word when its signals
+    report it (``drafter_offloaded``), else the planner's own bookkeeping of the offloads it
+    asked for and the reloads it was told of."""
+
+    def __init__(self):
+        self.offloaded = False
+        self.engine_reports = False
+        self.offload_wanted = False     # an offload was asked for and no reload seen since
+
+    def report(self, offloaded: bool | None) -> None:
+        if offloaded is not None:
+            self.engine_reports = True
+            self.offloaded = bool(offloaded)
+
+    def offload_asked(self) -> None:
+        self.offload_wanted = True
+        if not self.engine_reports:
+            self.offloaded = True
+
+    def reloaded(self) -> None:
+        if not self.engine_reports:
+            self.offloaded = False
+            self.offload_wanted = False
+
+
+class MemoryRule:
+    """The planner's side of elastic memory: when to ask for an offload (:meth:`wants_offload`),
+    when to hold plain decoding (:meth:`hold`), what an offload would gain (:meth:`estimate`,
+    from the bandit's own means), and whether a memory-aware offload delivered
+    (:class:`OffloadCheck`)."""
+
+    def __init__(self, cfg: PlannerConfig, bandit, bins, forward_cost, drafter: DrafterPlace,
+                 *, has_ar: bool):
+        self.cfg = cfg
+        self.policy = OffloadPolicy(cfg)
+        self.drafter = drafter
+        self._bandit = bandit            # a ContextualBandit: means(), interrupt()
+        self._bins = bins                # a ContextBins: context(), norm()
+        self._forward_cost = forward_cost
+        self._has_ar = has_ar
+        self.offload_requests = 0
+        self.hold_steps = 0
+        self.for_kv = False              # the memory-aware rule wants the drafter's bytes as KV
+        self.holding_ar = False          # offloaded, and the load does not fit the base pool
+        self._claim: tuple[float, float] | None = None   # (gain, per-token latency) to beat
+        self.claims: list[dict] = []     # the memory-aware offloads: promised and delivered
+        self.check: OffloadCheck | None = None
+        self._road_closed = False        # an offload did not pay: not again in this overload
+        self.verdicts = {"paid": 0, "missed": 0}
+
+    def hold(self, s: LoadSignals, now: float, step: int) -> bool:
+        """Once per step, before deciding: must this step decode plainly? (While the drafter's
+        memory serves, or is about to serve, as KV cache.)"""
+        pol = self.policy
+        pol.update(s, now)
+        if not self._has_ar:
+            return False
+        if pol.level < pol.clear_level:
+            self._road_closed = False           # that overload is over
+        if self.drafter.offloaded:
+            self.for_kv = False
+            hold = not pol.may_reload(now) and not self._missed(step)
+        else:
+            self.check = None
+            hold = self.for_kv = self._weigh(s, now, step)
+        if hold:
+            self.hold_steps += 1
+        elif self.holding_ar:
+            self._bandit.interrupt()     # the hold ends: decide afresh, not by an old AR block
+        self.holding_ar = hold
+        return hold
+
+    def _weigh(self, s: LoadSignals, now: float, step: int) -> bool:
+        """Does the memory-aware road want the drafter's bytes as KV cache now?"""
+        if not self.policy.sustained(now) or self._road_closed:
+            return False
+        if self.for_kv or s.kv_growth_if_offloaded is None or step % self.cfg.gain_check_every:
+            return self.for_kv
+        est = self.estimate(s)
+        pays = self.policy.gain_pays(est[0] if est else None)
+        self._claim = est if est and pays else None
+        return pays
+
+    def _missed(self, step: int) -> bool:
+        """Has the running memory-aware offload been measured not to pay? Then the hold ends
+        (speculation may come back, preempting what the smaller pool cannot keep) and the
+        memory-aware road stays closed until this overload is over."""
+        if self._claim is not None and self.check is None:
+            n = self.cfg.offload_after_steps
+            gain, baseline = self._claim
+            self.check = OffloadCheck(baseline, settle_steps=n, verify_steps=2 * n)
+            self.claims = self.claims[-15:] + [
+                {"step": step, "predicted_gain": gain, "baseline_s_per_token": baseline}]
+            self._claim = None
+        chk = self.check
+        if chk is None or chk.verdict is None:
+            return False
+        if not chk.counted:
+            chk.counted = True
+            self.verdicts["paid" if chk.verdict else "missed"] += 1
+            self.claims[-1].update(delivered_s_per_token=chk.delivered_s_per_token, paid=chk.verdict)
+            if not chk.verdict:
+                self._road_closed = True
+        return not chk.verdict
+
+    def observe_ar(self, wall_s: float, tokens: int) -> None:
+        """A plain-decoding step's wall time, for the running offload's check."""
+        if self.check is not None and math.isfinite(wall_s):
+            self.check.observe(wall_s, tokens)
+
+    def wants_offload(self, s: LoadSignals, now: float, step: int, ar_since: tuple[int, float]) -> bool:
+        """Plain decoding has run since `ar_since` (step, time): is this the time to offload?"""
+        step0, t0 = ar_since
+        sustained = (step - step0 + 1 >= self.cfg.offload_after_steps
+                     and now - t0 >= self.cfg.offload_after_s)
+        want = (sustained and self.policy.memory_pressure(s)) or (
+            self.for_kv and not self.drafter.offloaded)
+        if want and not self.drafter.offload_wanted:
+            self.offload_requests += 1
+        if want:
+            self.drafter.offload_asked()
+        return want
+
+    def estimate(self, s: LoadSignals) -> tuple[float, float] | None:
+        """(gain, the best speculative arm's per-token latency now). The gain is the predicted
+        per-token speed-up of plain decoding with the drafter offloaded (at the batch
+        the grown pool would admit) over the best speculative arm now (at the batch that fits):
+        > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
+        arms' means in this bin, AR's taken to the bigger batch by the target forward's cost
+        line (:class:`~planner.step_costs.ForwardCost`; until it is known, AR's mean in the bin
+        of the bigger batch, or this bin's rescaled like the losses are). None when the engine
+        cannot grow the pool or too little is measured yet."""
+        g = s.kv_growth_if_offloaded
+        b = max(int(s.batch_size), 1)
+        if g is None or g <= 1.0 or s.waiting <= 0:
+            return None                   # nobody would be admitted by a bigger pool
+        b2 = min(b * g, b + s.waiting)
+        if s.batch_limit:
+            b2 = min(b2, float(s.batch_limit))
+        if b2 < b + 1:
+            return None
+        bins, min_obs = self._bins, self.cfg.gain_min_obs
+        ctx = bins.context(s)
+        spec = [m for a, (m, n) in self._bandit.means(ctx).items() if a[0] != "ar" and n >= min_obs]
+        if not spec:
+            return None
+        spec_now = min(spec) / bins.norm(ctx, b)
+        b2i = int(round(b2))
+        ar_here = self._bandit.means(ctx).get(AR.arm)
+        ratio = self._forward_cost.per_token_ratio(b, b2)
+        if ratio is not None and ar_here is not None and ar_here[1] >= min_obs:
+            return spec_now / (ar_here[0] / bins.norm(ctx, b) * ratio), spec_now
+        ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))
+        for c in (ctx2, ctx):
+            m = self._bandit.means(c).get(AR.arm)
+            if m is not None and m[1] >= min_obs:
+                return spec_now / (m[0] / bins.norm(c, b2i)), spec_now
+        return None
+
+    def summary(self) -> dict:
+        return {"pressure_level": self.policy.level, "last_offload_gain": self.policy.last_gain,
+                "offload_verdicts": dict(self.verdicts), "offload_claims": [dict(c) for c in self.claims]}

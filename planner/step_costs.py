@@ -18,6 +18,11 @@ running least-squares fit with exponential forgetting, so it follows slow drift.
 from __future__ import annotations
 
 
+def ewma(old: float | None, x: float, a: float) -> float:
+    """An exponentially weighted moving average's next value (the first sample as it is)."""
+    return x if old is None else old + a * (x - old)
+
+
 class RunningLine:
     """y ~ intercept + slope * x, by least squares over the points added so far, each weighted
     ``forget ** age``."""

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import ConfigError, EngineConfig
-from backend.kv_cache import PagedKVCache
-from backend.model_config import ModelConfig
-from backend.sampling_params import SamplingParams
+from backend.engine.engine import Engine
+from backend.engine.config import ConfigError, EngineConfig
+from backend.model.kv_cache import PagedKVCache
+from backend.model.config import ModelConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -138,9 +138,9 @@ def reference(triton_server):
     """The well-formed request's output from the offline engine, same configuration as the server."""
     import torch
 
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
-    from backend.sampling_params import SamplingParams
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
+    from backend.sampling.params import SamplingParams
 
     threads = torch.get_num_threads()
     try:

@@ -15,9 +15,9 @@ validators from the test extra (pyproject.toml):
   (selectors, named ports, probes, the ConfigMap's engine.json, GPU count vs device placement).
 - docker/grafana/dashboards/nightdraft.json: every panel's PromQL parses (promql-parser) and
   names only metric families, label names and label values that the model actually exports
-  (read by running backend.triton_metrics against a stand-in pb_utils); rate() only on counters
+  (read by running backend.serving.metrics against a stand-in pb_utils); rate() only on counters
   and histogram series, histogram_quantile() only on buckets.
-- the engine configurations the deployment ships load through backend.engine_config.
+- the engine configurations the deployment ships load through backend.engine.config.
 - scripts/gpu_check.sh: shellcheck; --dry-run exits 0 within seconds; bad input is refused; and a
   run against a stand-in GPU (nvidia-smi, torch and CLI faked) writes its JSON and summary.
 - security defaults: the launcher's command listens on 127.0.0.1 and restricts Triton's
@@ -127,6 +127,17 @@ def test_dockerfile_structure():
         assert (REPO / "model_repository" / model / "config.pbtxt").is_file(), f"--model {model}: no such model"
 
 
+def top_level_packages() -> set[str]:
+    """The top-level packages pyproject.toml installs (a list, or find's include patterns)."""
+    import tomllib
+    st = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = st.get("packages")
+    names = packages if isinstance(packages, list) else packages["find"]["include"]
+    tops = {n.rstrip("*").split(".")[0] for n in names}
+    assert tops and all(t.isidentifier() for t in tops), names
+    return tops
+
+
 def test_dockerfile_copies_what_the_install_needs():
     ins = dockerfile_instructions()
     copied = set()
@@ -139,8 +150,7 @@ def test_dockerfile_copies_what_the_install_needs():
                 continue   # optional files (README*)
             assert (REPO / src).exists(), f"COPY {src}: not in the repository"
             copied.add(src.rstrip("/"))
-    packages = re.search(r'packages\s*=\s*\[([^\]]*)\]', (REPO / "pyproject.toml").read_text()).group(1)
-    needed = {p.strip().strip('"') for p in packages.split(",") if p.strip()}
+    needed = top_level_packages()
     needed |= {"pyproject.toml", "scripts", "model_repository", "models"}
     assert needed <= copied, f"not copied into the image: {sorted(needed - copied)}"
 
@@ -214,7 +224,7 @@ def engine_configs() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(engine_configs()))
 def test_shipped_engine_configs_load(name, tmp_path):
-    from backend.engine_config import EngineConfig
+    from backend.engine.config import EngineConfig
     raw = dict(engine_configs()[name])
     for key in ("target", "drafter"):   # paths inside the container: stand-ins here
         if raw.get(key):
@@ -345,14 +355,14 @@ class _FakeFamily:
 
 
 def exported_families() -> dict[str, _FakeFamily]:
-    """What the model exports: backend.triton_metrics run against a stand-in pb_utils, with the
-    labels backend/triton_model.py gives it."""
+    """What the model exports: backend.serving.metrics run against a stand-in pb_utils, with the
+    labels backend/serving/model.py gives it."""
     from types import SimpleNamespace
 
-    from backend.triton_metrics import TritonMetrics
+    from backend.serving.metrics import TritonMetrics
     _FakeFamily.created = {}
     TritonMetrics(SimpleNamespace(MetricFamily=_FakeFamily), {"model": "nightdraft", "version": "1"})
-    assert _FakeFamily.created, "backend.triton_metrics defines no metric family"
+    assert _FakeFamily.created, "backend.serving.metrics defines no metric family"
     return dict(_FakeFamily.created)
 
 
@@ -817,6 +827,7 @@ def admin_server(tmp_path_factory):
     repo = tmp / "model_repository"
     shutil.copytree(REPO / "model_repository" / "preprocessing", repo / "preprocessing",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "model_repository" / "bootstrap.py", repo / "bootstrap.py")   # model.py runs it
     (repo / "nightdraft" / "1").mkdir(parents=True)
     (repo / "nightdraft" / "1" / "engine.json").write_text(json.dumps(engine))
     # The launcher's defaults otherwise (host included); the key as deployments pass it.

@@ -20,12 +20,12 @@ import time
 import pytest
 import torch
 
-from backend.drafter_worker import RemoteDrafter
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.kv_cache import PagedKVCache
-from backend.model_config import ModelConfig
-from backend.sampling_params import SamplingParams
+from backend.speculation.worker import RemoteDrafter
+from backend.engine.engine import Engine
+from backend.engine.config import EngineConfig
+from backend.model.kv_cache import PagedKVCache
+from backend.model.config import ModelConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 pytestmark = pytest.mark.slow   # worker processes

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import ConfigError, EngineConfig
-from backend.sampling_params import InvalidRequest, SamplingParams
+from backend.engine.engine import Engine
+from backend.engine.config import ConfigError, EngineConfig
+from backend.sampling.params import InvalidRequest, SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET, save_random_llama, truncated_copy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -132,10 +132,10 @@ def test_preemption_by_recompute_loses_nothing(prompts):
 
 
 def test_admission_leaves_running_sequences_room_to_grow():
-    from backend.kv_cache import PagedKVCache
-    from backend.request import Sequence
-    from backend.scheduler import GROWTH_HEADROOM_TOKENS, Scheduler
-    from backend.model_config import ModelConfig
+    from backend.model.kv_cache import PagedKVCache
+    from backend.batching.sequence import Sequence
+    from backend.batching.scheduler import GROWTH_HEADROOM_TOKENS, Scheduler
+    from backend.model.config import ModelConfig
     kv = PagedKVCache.for_model(ModelConfig.from_pretrained(TINY_TARGET), 8 * _block_bytes(), block_size=16)
     assert kv.num_blocks == 8
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=4096)
@@ -153,8 +153,8 @@ def test_admission_leaves_running_sequences_room_to_grow():
 
 
 def _block_bytes() -> int:
-    from backend.kv_cache import PagedKVCache
-    from backend.model_config import ModelConfig
+    from backend.model.kv_cache import PagedKVCache
+    from backend.model.config import ModelConfig
     return PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
 
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from backend.engine_loop import EngineLoop, EngineLoopError
-from backend.outputs import RequestOutput
-from backend.sampling_params import InvalidRequest, SamplingParams
+from backend.engine.loop import EngineLoop, EngineLoopError
+from backend.engine.outputs import RequestOutput
+from backend.sampling.params import InvalidRequest, SamplingParams
 
 TIMEOUT = 10.0
 

@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import ConfigError, EngineConfig
-from backend.engine_loop import EngineLoop
+from backend.engine.engine import Engine
+from backend.engine.config import ConfigError, EngineConfig
+from backend.engine.loop import EngineLoop
 from backend.errors import InvalidRequest, ServerBusy
-from backend.kv_cache import PagedKVCache
-from backend.model_config import ModelConfig
-from backend.sampling_params import SamplingParams
+from backend.model.kv_cache import PagedKVCache
+from backend.model.config import ModelConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET, save_random_llama
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -234,7 +234,7 @@ def test_max_model_len_is_what_the_pool_holds():
 
 
 def test_a_request_admitted_while_the_pool_is_lent_is_never_cut_short(sd):
-    from backend.memory import ElasticMemory
+    from backend.engine.memory import ElasticMemory
     base = 12
     engine = make_engine(gamma=3, kv_cache_bytes=base * block_bytes(), offload=True)
     weights = sum(p.numel() * p.element_size() for p in engine.target.parameters())
@@ -335,7 +335,7 @@ def test_sampling_generators_live_on_the_engine_device(sd):
 
 
 def test_json_parsing_errors_name_what_is_wrong():
-    from backend.sampling_params import parse_json_object
+    from backend.values import parse_json_object
     with pytest.raises(InvalidRequest, match="request parameters is nested too deeply"):
         parse_json_object("[" * 100_000 + "]" * 100_000, "request parameters")
     with pytest.raises(InvalidRequest, match="must be a JSON object"):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine_config import MODES, EngineConfig
-from backend.sampling_params import SamplingParams
+from backend.engine.config import MODES, EngineConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 CUDA = torch.cuda.is_available()
@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 def make_engine(**kw):
-    from backend.engine import Engine
+    from backend.engine.engine import Engine
     kw.setdefault("device", "cuda:0")
     kw.setdefault("dtype", "float32")
     kw.setdefault("kv_cache_bytes", 64 << 20)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.kv_cache import BlockAllocator, NoFreeBlocks, PagedKVCache
-from backend.model import CausalLM
-from backend.model_config import ModelConfig
+from backend.model.attention import SdpaBackend
+from backend.model.kv_cache import BlockAllocator, NoFreeBlocks, PagedKVCache
+from backend.model.llama import CausalLM
+from backend.model.config import ModelConfig
+
+SDPA = SdpaBackend()
 
 CFG = ModelConfig(
     architecture="llama",
@@ -144,7 +147,7 @@ def test_prepare_metadata():
         cache.ensure_capacity("d", n)
     assert cache.block_table("p") == [0, 2] and cache.block_table("d") == [1, 3]
     cache.ensure_capacity("d", 9)  # d gets block 4, which it only needs after this step
-    meta = cache.prepare(["p", "d"], [3, 5], [3, 1])
+    meta = SDPA.prepare(cache, ["p", "d"], [3, 5], [3, 1])
     assert meta.positions.tolist() == [3, 4, 5, 5]
     # p: pos 3 -> block 0 offset 3; pos 4, 5 -> block 2 offsets 0, 1. d: pos 5 -> block 3 offset 1
     assert meta.slot_mapping.tolist() == [3, 8, 9, 13]
@@ -163,16 +166,16 @@ def test_prepare_metadata():
     assert visible[1, 0].sum() == 6 and visible[1, 0, :6].all()  # d's one query at position 5
 
     with pytest.raises(ValueError, match="ensure_capacity"):
-        cache.prepare(["p"], [8], [1])
+        SDPA.prepare(cache, ["p"], [8], [1])
     with pytest.raises(ValueError, match="ensure_capacity"):
-        cache.prepare(["unknown"], [0], [1])
+        SDPA.prepare(cache, ["unknown"], [0], [1])
 
-    (g,) = cache.prepare(["p", "d"], [4, 4], [2, 2]).groups
+    (g,) = SDPA.prepare(cache, ["p", "d"], [4, 4], [2, 2]).groups
     assert g.query_src is None and g.grid_index is None  # no padding: the flat tokens are the grid
 
     # A prefill chunk gets its own attention batch, apart from the short queries.
     cache.ensure_capacity("long", 20)
-    meta = cache.prepare(["p", "long", "d"], [4, 0, 4], [2, 20, 1])
+    meta = SDPA.prepare(cache, ["p", "long", "d"], [4, 0, 4], [2, 20, 1])
     short, long = meta.groups
     assert short.block_tables.tolist() == [[0, 2], [1, 3]] and short.max_query_len == 2
     assert short.token_index.tolist() == [0, 1, 22] and short.query_src.tolist() == [0, 1, 22, 22]
@@ -198,7 +201,7 @@ def feed(model, cache, batch):
     """batch: list of (seq_id, num_cached, tokens); returns the flat logits."""
     for sid, cached, toks in batch:
         assert cache.ensure_capacity(sid, cached + len(toks))
-    meta = cache.prepare([b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch])
+    meta = SDPA.prepare(cache, [b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch])
     with torch.no_grad():
         return model(torch.tensor([t for b in batch for t in b[2]]), meta, cache)
 

@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.kv_cache import PagedKVCache
-from backend.memory import ElasticMemory
-from backend.sampling_params import SamplingParams
+from backend.engine.engine import Engine
+from backend.engine.config import EngineConfig
+from backend.model.kv_cache import PagedKVCache
+from backend.engine.memory import ElasticMemory
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -29,7 +29,7 @@ def ar_outputs(prompts):
 
 def sd_engine_with_memory(kv_blocks: int) -> tuple[Engine, ElasticMemory]:
     """A fixed-mode engine and its own elastic memory (which no planner drives here)."""
-    from backend.model_config import ModelConfig
+    from backend.model.config import ModelConfig
     block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), gamma=4,
                                  kv_cache_bytes=kv_blocks * block))

@@ -11,10 +11,13 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from backend.kv_cache import PagedKVCache  # noqa: E402
-from backend.loader import load_model  # noqa: E402
-from backend.model import CausalLM  # noqa: E402
-from backend.model_config import ModelConfig  # noqa: E402
+from backend.model.attention import SdpaBackend  # noqa: E402
+from backend.model.kv_cache import PagedKVCache  # noqa: E402
+from backend.model.loader import load_model  # noqa: E402
+from backend.model.llama import CausalLM  # noqa: E402
+from backend.model.config import ModelConfig  # noqa: E402
+
+SDPA = SdpaBackend()
 
 VOCAB = 96
 ATOL = RTOL = 1e-4
@@ -132,7 +135,7 @@ def step(model, cache, batch, logits_indices=None):
     """One forward. batch: list of (seq_id, num_cached, new token ids). Returns flat logits."""
     for sid, cached, toks in batch:
         assert cache.ensure_capacity(sid, cached + len(toks))
-    meta = cache.prepare([b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch])
+    meta = SDPA.prepare(cache, [b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch])
     ids = torch.tensor([t for b in batch for t in b[2]])
     with torch.no_grad():
         return model(ids, meta, cache, logits_indices), meta
@@ -388,10 +391,10 @@ def _time_decode(cfg: ModelConfig, batch: int, context: int, iters: int) -> floa
     ids = torch.randint(0, cfg.vocab_size, (batch,))
     with torch.no_grad():
         for _ in range(2):
-            model(ids, cache.prepare(seqs, [context] * batch, [1] * batch), cache)
+            model(ids, SDPA.prepare(cache, seqs, [context] * batch, [1] * batch), cache)
         t0 = time.perf_counter()
         for _ in range(iters):
-            meta = cache.prepare(seqs, [context] * batch, [1] * batch)
+            meta = SDPA.prepare(cache, seqs, [context] * batch, [1] * batch)
             model(ids, meta, cache, meta.last_token_indices)
     return (time.perf_counter() - t0) / iters * 1e3
 

@@ -10,7 +10,7 @@ import pytest
 
 from planner.bandit import ContextualBandit
 from planner.cost_model import CostProfile, expected_tokens_per_call
-from planner.planner import AR, Decision, Planner, batch_bin
+from planner import AR, Decision, Planner, PlannerConfig, batch_bin
 from planner.signals import LoadSignals
 
 
@@ -316,18 +316,19 @@ def test_planner_measures_the_switching_cost_and_charges_it():
 
 
 def test_wall_time_without_the_catchup_is_the_arms_loss():
-    p = Planner(gamma_max=2, psd_available=False, seed=0, initial_block=1)
+    p = Planner(PlannerConfig.from_dict({"initial_block": 1}), gamma_max=2, psd_available=False,
+                seed=0)
     s = LoadSignals(batch_size=4, now=0.0)
     d = Decision("sd", 2)
     p.decide(s)
     p.observe(d, step_wall_s=1.0, tokens_committed=10, drafter_rebuild_s=0.9, batch_size=4)
     mean, _ = p.bandit.means("b4-7")[("sd", 2)]
-    assert mean == pytest.approx(0.1 / 10 * p._norm("b4-7", 4))
+    assert mean == pytest.approx(0.1 / 10 * p.bins.norm("b4-7", 4))
 
 
 def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
-    p = Planner(gamma_max=3, psd_available=False, seed=0, offload_after_steps=50,
-                offload_after_s=0.5)
+    p = Planner(PlannerConfig(offload_after_steps=50, offload_after_s=0.5), gamma_max=3,
+                psd_available=False, seed=0)
     eng = FakeEngine(p, seed=0)
     for _ in range(300):                 # small batch: speculation, never offload
         eng.step(2, waiting=3, kv_usage=0.95)
@@ -342,16 +343,16 @@ def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
     assert p.wants_offload(LoadSignals(batch_size=96, waiting=5, kv_usage=0.5, now=eng.t))
     assert p.wants_offload(LoadSignals(batch_size=96, waiting=0, kv_usage=0.97, now=eng.t))
     # not sustained: a fresh gamma = 0 run under pressure is not enough
-    q = Planner(gamma_max=3, psd_available=False, seed=0, modes=("ar",), offload_after_steps=50,
-                offload_after_s=0.5)
+    q = Planner(PlannerConfig(modes=("ar",), offload_after_steps=50, offload_after_s=0.5),
+                gamma_max=3, psd_available=False, seed=0)
     for i in range(49):
         q.decide(LoadSignals(batch_size=8, waiting=5, now=i * 0.1))
         assert not q.wants_offload(LoadSignals(batch_size=8, waiting=5, now=i * 0.1))
     q.decide(LoadSignals(batch_size=8, waiting=5, now=4.9))
     assert q.wants_offload(LoadSignals(batch_size=8, waiting=5, now=4.9))
     # steps alone are not enough either: the seconds must have passed too
-    r = Planner(gamma_max=3, psd_available=False, seed=0, modes=("ar",), offload_after_steps=10,
-                offload_after_s=5.0)
+    r = Planner(PlannerConfig(modes=("ar",), offload_after_steps=10, offload_after_s=5.0),
+                gamma_max=3, psd_available=False, seed=0)
     for i in range(100):
         r.decide(LoadSignals(batch_size=8, waiting=5, now=i * 0.01))
     assert not r.wants_offload(LoadSignals(batch_size=8, waiting=5, now=0.99))
@@ -360,8 +361,8 @@ def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
 
 
 def test_offload_and_reload_feed_the_switch_cost():
-    p = Planner(gamma_max=3, psd_available=False, seed=0, offload_after_steps=20,
-                offload_after_s=0.0)
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0), gamma_max=3,
+                psd_available=False, seed=0)
     eng = FakeEngine(p, seed=0, reload_s=0.4)
     for _ in range(500):
         eng.step(96, waiting=4)
@@ -393,18 +394,20 @@ def test_arms_and_decisions():
 
 
 def test_waiting_queue_context_bins():
-    p = Planner(gamma_max=2, psd_available=False, context_bins="batch_waiting")
+    p = Planner(PlannerConfig(context_bins="batch_waiting"), gamma_max=2, psd_available=False)
     for w in (0, 2, 9):
         d = p.decide(LoadSignals(batch_size=5, waiting=w, now=0.0))
         p.observe(d, step_wall_s=0.01, tokens_committed=5, batch_size=5)
     assert set(p.stats()["per_context"]) == {"b4-7|w0", "b4-7|w1-3", "b4-7|w4-15"}
-    q = Planner(gamma_max=2, psd_available=False, context_bins=lambda s: s.batch_size > 10)
+    q = Planner(PlannerConfig(context_bins=lambda s: s.batch_size > 10), gamma_max=2,
+                psd_available=False)
     q.decide(LoadSignals(batch_size=30))
     assert list(q.stats()["per_context"]) == ["True"]
 
 
 def test_stats_and_bounded_timeline():
-    p = Planner(gamma_max=3, psd_available=True, seed=0, timeline_max=64, timeline_every=5)
+    p = Planner(PlannerConfig(timeline_max=64, timeline_every=5), gamma_max=3, psd_available=True,
+                seed=0)
     eng = FakeEngine(p, seed=0)
     for i in range(3000):
         eng.step(2 if (i // 500) % 2 == 0 else 96)
@@ -419,6 +422,71 @@ def test_stats_and_bounded_timeline():
     assert [e[1] for e in tl] == sorted(e[1] for e in tl)
     assert sum(st["arm_counts"].values()) == 3000
     assert st["switches"] >= st["mode_switches"] >= 5
+
+
+def test_stats_report_the_bandit_through_its_public_api():
+    p = Planner(gamma_max=3, psd_available=True, seed=0)
+    eng = FakeEngine(p, seed=0)
+    for i in range(1200):
+        eng.step(2 if i < 600 else 96)
+    assert p.switches == p.bandit.switches == p.summary()["switches"] > 0
+    st = p.stats()
+    for ctx in p.bandit.contexts:
+        cs = p.bandit.context_stats(ctx)
+        assert cs.best == p.bandit.best(ctx) and cs.means == p.bandit.means(ctx)
+        per = st["per_context"][str(ctx)]
+        assert per["steps"] == cs.steps == sum(cs.plays.values())
+        assert per["best"] == str(Decision(*cs.best)) and per["held"] == str(Decision(*cs.held))
+        assert per["mean_loss"] == {str(Decision(*a)): m for a, (m, _) in cs.means.items()}
+    assert p.bandit.context_stats("never seen") is None
+
+
+def test_timeline_times_count_from_the_first_decision():
+    p = Planner(PlannerConfig(timeline_every=1), gamma_max=2, psd_available=False, seed=0)
+    for i in range(5):
+        d = p.decide(LoadSignals(batch_size=4, now=0.5 * i))     # the first decision at t = 0
+        p.observe(d, step_wall_s=0.01, tokens_committed=4, batch_size=4)
+    assert [(t, step) for t, step, *_ in p.timeline()] == [(0.5 * i, i + 1) for i in range(5)]
+
+
+def test_planner_config_from_engine_json():
+    # engine.json's flat "planner" object: the planner's keys and the bandit's side by side
+    cfg = PlannerConfig.from_dict({"offload_after_steps": 3, "kv_pressure": 0.5, "explore": 1,
+                                   "min_hold_steps": 2, "stale_after": 100, "modes": ["ar", "sd"]})
+    assert (cfg.offload_after_steps, cfg.kv_pressure, cfg.modes) == (3, 0.5, ("ar", "sd"))
+    assert (cfg.bandit.explore, cfg.bandit.min_hold, cfg.bandit.stale_after) == (1.0, 2, 100)
+    assert isinstance(cfg.bandit.explore, float)
+    assert cfg.bandit.hysteresis == 0.03            # the planner's default, not the bandit's
+    assert PlannerConfig.from_dict(cfg.to_dict()) == cfg
+    assert PlannerConfig.from_dict(None) == PlannerConfig.from_dict({}) == PlannerConfig()
+    keys = PlannerConfig.known_keys()
+    assert {"offload_after_steps", "kv_pressure", "explore", "min_hold_steps", "stale_after",
+            "detect_rel", "timeline_every"} <= set(keys)
+    assert not {"min_hold", "bandit", "seed", "gamma_max", "psd_available", "clock"} & set(keys)
+    with pytest.raises(TypeError, match="PlannerConfig.from_dict"):
+        Planner({"kv_pressure": 0.5}, gamma_max=2, psd_available=False)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"offload_after_stepz": 3},
+     r"unknown setting\(s\) \['offload_after_stepz'\]; known: \[.*'kv_pressure'"),
+    ({"kv_pressure": 1.5}, r"^kv_pressure: must be in \(0, 1\], got 1.5$"),
+    ({"kv_pressure": "0.9"}, r"^kv_pressure: must be a finite number"),
+    ({"offload_after_steps": 0}, r"^offload_after_steps: must be >= 1, got 0$"),
+    ({"offload_after_steps": 2.5}, r"^offload_after_steps: must be an integer"),
+    ({"min_hold_steps": 0}, r"^min_hold_steps: must be >= 1, got 0$"),
+    ({"discount": 0}, r"^discount: must be in \(0, 1\], got 0$"),
+    ({"initial_block": 8, "max_block": 4}, r"^max_block: must be >= initial_block"),
+    ({"alpha_prior": 1.0}, r"^alpha_prior: must be in \(0, 1\)"),
+    ({"modes": ["ar", "fast"]}, r"^modes: unknown mode\(s\) \['fast'\]"),
+    ({"context_bins": "queue"}, r"^context_bins: must be one of"),
+    ({"wall_includes_rebuild": 1}, r"^wall_includes_rebuild: must be true or false"),
+    ({"reload_s": -1.0}, r"^reload_s: must be >= 0"),
+    ({"explore": float("inf")}, r"^explore: must be a finite number"),
+])
+def test_planner_config_refuses_what_it_cannot_run(settings, message):
+    with pytest.raises(ValueError, match=message):
+        PlannerConfig.from_dict(settings)
 
 
 def test_decide_is_cheap():
@@ -490,8 +558,8 @@ def test_kv_bound_shape_of_the_synthetic_costs():
 
 
 def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
-    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20,
-                offload_after_s=0.0, reload_after_s=0.05)
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+                gamma_max=4, psd_available=False, seed=0)
     eng = KVBoundEngine(p)
     for _ in range(300):                      # low load: speculation, no pressure, no offload
         eng.step(2)
@@ -513,7 +581,8 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
 def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, report):
     # growth 1.2: the batch the freed memory admits (9-10) is not enough to beat speculation at 8;
     # no growth reported (no memory manager, or offloading disabled): nothing to weigh
-    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20, offload_after_s=0.0)
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0), gamma_max=4,
+                psd_available=False, seed=0)
     eng = KVBoundEngine(p, growth=growth, report_growth=report)
     tail = [eng.step(30)[0] for _ in range(1500)][-500:]
     assert eng.offloads == 0
@@ -522,8 +591,8 @@ def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, repo
 
 
 def test_offload_gain_zero_offloads_on_sustained_pressure_alone():
-    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=5,
-                offload_after_s=0.0, offload_gain=0.0)
+    p = Planner(PlannerConfig(offload_after_steps=5, offload_after_s=0.0, offload_gain=0.0),
+                gamma_max=4, psd_available=False, seed=0)
     eng = KVBoundEngine(p, growth=1.2)
     for _ in range(40):
         eng.step(30)
@@ -544,7 +613,7 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
     assert fc.per_token_ratio(8, 16) == pytest.approx(0.45 / 0.7, rel=0.1)
 
     # An arm's loss is its decode cost, whatever prefill rode along in its steps.
-    p = Planner(gamma_max=2, psd_available=False, seed=0, modes=("ar",))
+    p = Planner(PlannerConfig(modes=("ar",)), gamma_max=2, psd_available=False, seed=0)
     decode_tokens = 8
     for i in range(400):
         prefill = int(rng.integers(0, 160)) if i % 2 else 0
@@ -553,7 +622,8 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
         p.observe(d, step_wall_s=fwd + 0.001, tokens_committed=decode_tokens, batch_size=decode_tokens,
                   prefill_tokens=prefill, forward_tokens=decode_tokens + prefill, forward_s=fwd)
     mean, _ = p.bandit.means("b8-15")[("ar", 0)]
-    clean = (0.004 + 2e-4 * decode_tokens + 0.001) / decode_tokens * p._norm("b8-15", decode_tokens)
+    clean = ((0.004 + 2e-4 * decode_tokens + 0.001) / decode_tokens
+             * p.bins.norm("b8-15", decode_tokens))
     assert mean == pytest.approx(clean, rel=0.1)
 
 
@@ -595,8 +665,8 @@ def test_an_offload_that_does_not_deliver_is_given_back():
     # Plain decoding with the grown pool turns out 40 % slower than predicted (a cost per step
     # the forward-cost line does not see): the offload is measured, found not to pay, and undone;
     # the memory-aware road stays closed for the rest of that overload.
-    p = Planner(gamma_max=4, psd_available=False, seed=0, offload_after_steps=20,
-                offload_after_s=0.0, reload_after_s=0.05)
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+                gamma_max=4, psd_available=False, seed=0)
     eng = KVBoundEngine(p, offloaded_slowdown=1.4)
     for _ in range(300):
         eng.step(2)

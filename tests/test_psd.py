@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.sampling_params import SamplingParams
+from backend.engine.engine import Engine
+from backend.engine.config import EngineConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 pytestmark = pytest.mark.slow   # starts worker processes

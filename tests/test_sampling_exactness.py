@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.sampling_params import SamplingParams
+from backend.engine.engine import Engine
+from backend.engine.config import EngineConfig
+from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def sample_runs(engine: Engine, seeds=range(N), on_step=None) -> list[list[int]]
 @pytest.fixture(scope="module")
 def exact(hf):
     """(prompt ids, marginal of t2, the most likely t1, marginal of t3 given that t1)."""
-    from backend.tokenizer import Tokenizer
+    from backend.model.tokenizer import Tokenizer
     ids = Tokenizer.from_pretrained(str(TINY_TARGET)).encode(PROMPT)
     t1 = int(next_probs(hf, [ids])[0].argmax())
     return ids, marginal_after(hf, ids), t1, marginal_after(hf, ids + [t1])

@@ -219,9 +219,9 @@ def test_a_killed_worker_under_a_running_server(tmp_path):
     server = start_server(repo, tmp_path / "server.log")
     try:
         from conftest import test_engine_config
-        from backend.engine import Engine
-        from backend.engine_config import EngineConfig
-        from backend.sampling_params import SamplingParams
+        from backend.engine.engine import Engine
+        from backend.engine.config import EngineConfig
+        from backend.sampling.params import SamplingParams
         import torch
 
         threads = torch.get_num_threads()

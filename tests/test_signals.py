@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.signals import (EngineSignals, LoadSignals, MetricsParseError, TritonMetricsSignals,
-                             parse_metrics)
+from backend.serving.metrics_scraper import MetricsParseError, TritonMetricsSignals, parse_metrics
+from planner.signals import EngineSignals, LoadSignals
 
 DATA = Path(__file__).parent / "data"
 FIRST = (DATA / "triton_metrics.txt").read_text()
@@ -81,7 +81,7 @@ def test_engine_signals_arrival_rate_over_a_sliding_window():
     assert e.total_arrivals == 30
     s = e.snapshot(batch_size=7, waiting=3, kv_usage=0.8, now=130.0)
     assert (s.batch_size, s.waiting, s.kv_usage, s.arrival_rate, s.now) == (7, 3, 0.8, 0.0, 130.0)
-    assert s.triton_pending is None and s.gpu_memory_used_bytes is None
+    assert s.server_pending is None and s.gpu_memory_used_bytes is None
 
 
 def test_engine_signals_are_thread_safe():
@@ -143,25 +143,25 @@ def test_arrival_rate_from_two_real_scrapes():
     # default: the busiest model's rate (an ensemble and its steps each count every request)
     t = TritonMetricsSignals("http://unused", start=False, fetch=Scripted(FIRST, LATER))
     assert t.scrape_once(now=10.0)
-    assert t.values()["triton_arrival_rate"] is None          # one scrape: no rate yet
+    assert t.values()["server_arrival_rate"] is None          # one scrape: no rate yet
     assert t.scrape_once(now=10.0 + DT)
     v = t.values()
-    assert v["triton_arrival_rate"] == pytest.approx(max(between.values()) / DT)
-    assert v["triton_pending"] == 0
+    assert v["server_arrival_rate"] == pytest.approx(max(between.values()) / DT)
+    assert v["server_pending"] == 0
     q0, q1 = parse_metrics(FIRST).queue_us, parse_metrics(LATER).queue_us
     n = sum(between.values())
-    assert v["triton_queue_s"] == pytest.approx(sum(q1[m] - q0[m] for m in q1) / n * 1e-6)
+    assert v["server_queue_s"] == pytest.approx(sum(q1[m] - q0[m] for m in q1) / n * 1e-6)
     assert v["cpu_memory_total_bytes"] > 0
     # one model, or the sum over named models
     t = TritonMetricsSignals("http://unused", start=False, models="echo_b", fetch=Scripted(FIRST, LATER))
     t.scrape_once(now=0.0)
     t.scrape_once(now=DT)
-    assert t.values()["triton_arrival_rate"] == pytest.approx(between["echo_b"] / DT)
+    assert t.values()["server_arrival_rate"] == pytest.approx(between["echo_b"] / DT)
     t = TritonMetricsSignals("http://unused", start=False, models=["echo", "echo_b"],
                              fetch=Scripted(FIRST, LATER))
     t.scrape_once(now=0.0)
     t.scrape_once(now=DT)
-    assert t.values()["triton_arrival_rate"] == pytest.approx(sum(between.values()) / DT)
+    assert t.values()["server_arrival_rate"] == pytest.approx(sum(between.values()) / DT)
 
 
 def test_merge_fills_triton_fields():
@@ -172,9 +172,9 @@ def test_merge_fills_triton_fields():
     t.scrape_once(now=DT)
     m = t.merge(eng)
     assert (m.batch_size, m.waiting, m.kv_usage, m.now) == (3, 1, 0.5, 5.0)
-    assert m.triton_arrival_rate == pytest.approx(12 / DT)
+    assert m.server_arrival_rate == pytest.approx(12 / DT)
     assert m.arrival_rate == pytest.approx(max(2.0, 12 / DT))
-    assert m.triton_pending == 0
+    assert m.server_pending == 0
     assert m.gpu_memory_used_bytes is None         # not exported on this host
     busy = LoadSignals(batch_size=3, arrival_rate=50.0)
     assert t.merge(busy).arrival_rate == 50.0
@@ -184,15 +184,15 @@ def test_counter_reset_keeps_the_last_rate():
     t = TritonMetricsSignals("http://unused", start=False, fetch=Scripted(FIRST, LATER, FIRST))
     t.scrape_once(now=0.0)
     t.scrape_once(now=1.0)
-    rate = t.values()["triton_arrival_rate"]
+    rate = t.values()["server_arrival_rate"]
     assert t.scrape_once(now=2.0)                  # the server restarted: counters went back
-    assert t.values()["triton_arrival_rate"] == rate
+    assert t.values()["server_arrival_rate"] == rate
 
 
 def test_failed_scrapes_are_tolerated_and_logged_once_per_streak(caplog):
     url = f"http://127.0.0.1:{unused_port()}/metrics"
     t = TritonMetricsSignals(url, start=False, timeout_s=0.5)
-    with caplog.at_level(logging.DEBUG, logger="nightdraft.planner.signals"):
+    with caplog.at_level(logging.DEBUG, logger="nightdraft.serving.metrics_scraper"):
         assert not t.scrape_once()                 # connection refused
         assert not t.scrape_once()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -204,13 +204,13 @@ def test_failed_scrapes_are_tolerated_and_logged_once_per_streak(caplog):
     fetch = Scripted(FIRST, LATER, "garbage {{{", ConnectionRefusedError("refused"), LATER + GPU_LINES,
                      "<html>oops</html>")
     t = TritonMetricsSignals("http://unused", start=False, fetch=fetch)
-    with caplog.at_level(logging.INFO, logger="nightdraft.planner.signals"):
+    with caplog.at_level(logging.INFO, logger="nightdraft.serving.metrics_scraper"):
         assert t.scrape_once(now=0.0) and t.scrape_once(now=1.0)
         good = t.values()
         assert not t.scrape_once(now=2.0)          # garbage text
         assert not t.scrape_once(now=3.0)          # connection refused
         assert t.values() == good                  # the last good values stay
-        assert t.merge(LoadSignals(batch_size=1)).triton_arrival_rate == good["triton_arrival_rate"]
+        assert t.merge(LoadSignals(batch_size=1)).server_arrival_rate == good["server_arrival_rate"]
         assert t.scrape_once(now=4.0)              # recovered
         assert not t.scrape_once(now=5.0)          # a new streak
     msgs = [(r.levelno, r.getMessage()) for r in caplog.records]
@@ -247,7 +247,7 @@ def test_background_scraper_over_http():
                 time.sleep(0.02)
             assert t.scrapes_ok >= 3 and t.scrapes_failed == 0
             v = t.values()
-            assert v["triton_pending"] == 0 and v["triton_arrival_rate"] is not None
+            assert v["server_pending"] == 0 and v["server_arrival_rate"] is not None
         assert t._thread is None                    # stopped
         n = t.scrapes_ok
         time.sleep(0.15)
@@ -285,10 +285,10 @@ def test_live_tritonserver_metrics(tmp_path):
         elapsed = time.monotonic() - t0
         v = t.values()
         assert parse_metrics(cap.scrape(server)).requests["echo"] == before + 20
-        assert v["triton_arrival_rate"] >= 20 / (elapsed + 1.0)
-        assert v["triton_pending"] == 0
+        assert v["server_arrival_rate"] >= 20 / (elapsed + 1.0)
+        assert v["server_pending"] == 0
         m = t.merge(EngineSignals().snapshot(batch_size=2))
-        assert m.triton_arrival_rate == v["triton_arrival_rate"]
+        assert m.server_arrival_rate == v["server_arrival_rate"]
         # and the background thread against the live server
         with TritonMetricsSignals(server.metrics_url, interval_s=0.1, timeout_s=2.0) as bg:
             deadline = time.monotonic() + 10.0
@@ -296,7 +296,7 @@ def test_live_tritonserver_metrics(tmp_path):
                 cap.infer(server, "echo_b", 2)
                 time.sleep(0.05)
             assert bg.scrapes_ok >= 3 and bg.scrapes_failed == 0
-            assert bg.values()["triton_arrival_rate"] is not None
+            assert bg.values()["server_arrival_rate"] is not None
     finally:
         server.stop(timeout_s=20)
     # the server is gone: the next scrape fails, quietly keeping the values

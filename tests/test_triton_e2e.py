@@ -58,9 +58,9 @@ def offline(triton_server):
     """Greedy reference outputs from the offline engine, same configuration as the server."""
     import torch
 
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
-    from backend.sampling_params import SamplingParams
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
+    from backend.sampling.params import SamplingParams
 
     threads = torch.get_num_threads()
     try:

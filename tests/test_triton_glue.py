@@ -1,5 +1,6 @@
-"""The Triton glue without a server: request parsing, metrics plumbing and the launcher's
-layout, against fakes of ``triton_python_backend_utils``."""
+"""The Triton adapter (backend.serving) without a server: request parsing, responses through
+execute and the response thread, metrics plumbing and the launcher's layout, against fakes of
+``triton_python_backend_utils``."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backend.sampling_params import InvalidRequest
-from backend.triton_metrics import TritonMetrics, psd_overlap
-from backend.triton_model import parse_text_request, parse_tokens_request
+from backend.engine.outputs import RequestOutput
+from backend.sampling.params import InvalidRequest
+from backend.serving.metrics import TritonMetrics, psd_overlap
+from backend.serving.text_request import TextRequest
+from backend.serving.token_request import TokenRequest
 
 
 class FakeTensor:
@@ -50,7 +53,7 @@ def text(**kw):
         elif isinstance(v, int):
             v = np.array([v], dtype=np.int32)
         t[k] = v
-    return parse_text_request(FakePb, FakeRequest(t, params))
+    return TextRequest(FakePb, FakeRequest(t, params))
 
 
 def test_text_request_defaults_follow_the_vllm_backend():
@@ -96,10 +99,10 @@ def test_bad_text_requests_name_the_problem(kw, needle):
 
 def test_text_input_must_be_utf8_and_single():
     with pytest.raises(InvalidRequest, match="UTF-8"):
-        parse_text_request(FakePb, FakeRequest({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}))
+        TextRequest(FakePb, FakeRequest({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}))
     with pytest.raises(InvalidRequest, match="exactly one"):
-        parse_text_request(FakePb, FakeRequest({"text_input": np.array([b"a", b"b"], dtype=np.object_)}))
-    p = parse_text_request(FakePb, FakeRequest({"text_input": np.array([[b"2-d"]], dtype=np.object_)}))
+        TextRequest(FakePb, FakeRequest({"text_input": np.array([b"a", b"b"], dtype=np.object_)}))
+    p = TextRequest(FakePb, FakeRequest({"text_input": np.array([[b"2-d"]], dtype=np.object_)}))
     assert p.prompt == "2-d"
 
 
@@ -110,13 +113,13 @@ def test_tokens_request():
                        "streaming": np.array([True]),
                        "temperature": np.array([0.0], dtype=np.float32),
                        "random_seed": np.array([3], dtype=np.uint64)})
-    p = parse_tokens_request(FakePb, req)
+    p = TokenRequest(FakePb, req)
     assert p.prompt == [5, 6, 7] and p.stream
     assert p.params.max_tokens == 4 and p.params.temperature == 0.0 and p.params.seed == 3
     with pytest.raises(InvalidRequest, match="input_ids"):
-        parse_tokens_request(FakePb, FakeRequest({}))
+        TokenRequest(FakePb, FakeRequest({}))
     with pytest.raises(InvalidRequest, match="empty"):
-        parse_tokens_request(FakePb, FakeRequest({"input_ids": np.array([], dtype=np.int32)}))
+        TokenRequest(FakePb, FakeRequest({"input_ids": np.array([], dtype=np.int32)}))
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -160,7 +163,7 @@ class FakePbMetrics:
 
 
 def test_metrics_counters_follow_engine_totals_and_gauges_track_state():
-    from backend.outputs import EngineStats, StepStats
+    from backend.engine.outputs import EngineStats, StepStats
     tm = TritonMetrics(FakePbMetrics, {"model": "m", "version": "1"}, min_update_interval_s=0.0)
     s = EngineStats(num_running=3, num_waiting=1, kv_total_blocks=100, kv_free_blocks=40, kv_usage=0.6,
                     mode="psd", gamma=4, drafter_state="on_device", prompt_tokens=50,
@@ -188,7 +191,7 @@ def test_metrics_counters_follow_engine_totals_and_gauges_track_state():
 
 
 def test_metrics_updates_are_throttled_unless_forced():
-    from backend.outputs import EngineStats
+    from backend.engine.outputs import EngineStats
     tm = TritonMetrics(FakePbMetrics, {"model": "m"}, min_update_interval_s=60.0)
     assert tm.update_from_stats(EngineStats(), force=True)
     assert not tm.update_from_stats(EngineStats(num_running=5))
@@ -198,7 +201,7 @@ def test_metrics_updates_are_throttled_unless_forced():
 
 
 def test_psd_overlap_is_zero_outside_psd():
-    from backend.outputs import EngineStats, StepStats
+    from backend.engine.outputs import EngineStats, StepStats
     assert psd_overlap(EngineStats(last_step=StepStats(mode="sd", t_draft_s=1, t_verify_s=1, t_step_s=1))) == 0
 
 
@@ -257,7 +260,7 @@ def test_cli_parsers_wire_up():
 
 
 def test_metrics_export_drafter_health_and_psd_counters():
-    from backend.outputs import EngineStats
+    from backend.engine.outputs import EngineStats
     tm = TritonMetrics(FakePbMetrics, {"model": "m"}, min_update_interval_s=0.0)
     s = EngineStats(drafter_state="restarting")
     for attr, v in (("drafter_failures", 2), ("drafter_restarts", 1), ("psd_steps", 10),
@@ -272,7 +275,8 @@ def test_metrics_export_drafter_health_and_psd_counters():
 
 
 def test_queued_outputs_of_a_request_are_merged_in_order():
-    from backend.outputs import RequestOutput, coalesce
+    from backend.engine.outputs import RequestOutput
+    from backend.serving.responses import coalesce
     a1 = RequestOutput("a", [1], "x")
     b1 = RequestOutput("b", [7], "p")
     a2 = RequestOutput("a", [2, 3], "yz", num_output_tokens=3)
@@ -286,3 +290,239 @@ def test_queued_outputs_of_a_request_are_merged_in_order():
     assert coalesce([]) == []
     # a single output per request passes through untouched
     assert coalesce([a1, b1]) == [(a1, 0), (b1, 1)]
+
+
+# ------------------------------------------------------------------------------ the adapter, end to end
+
+
+class FakeError:
+    INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+class FakePbFull(FakePb):
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    TritonError = FakeError
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.tensors = {t.name: t.array for t in output_tensors}
+            self.error = error
+
+
+class FakeSender:
+    def __init__(self):
+        self.sent = []          # (response or None, flags)
+        self.cancelled = False
+
+    def send(self, response=None, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    def finals(self):
+        return [r for r, f in self.sent if f == FakePbFull.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
+
+
+class FakeServedRequest(FakeRequest):
+    def __init__(self, tensors, parameters="{}"):
+        super().__init__(tensors, parameters)
+        self.sender = FakeSender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return "client-1"
+
+
+class ScriptedLoop:
+    """An engine loop that answers each request at once with the outputs `script(prompt)` gives."""
+
+    def __init__(self, script):
+        self.script, self.aborted, self.healthy, self.num_inflight = script, [], True, 0
+
+    def submit(self, request_id, prompt, params, callback):
+        for new_ids, text, finished, reason in self.script(prompt, params):
+            callback(RequestOutput(request_id, list(new_ids), text, finished=finished, finish_reason=reason,
+                                   num_prompt_tokens=2, num_output_tokens=3 if finished else 0))
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def served_model(request_class, script):
+    """A generation model with its threads and a scripted loop instead of an engine."""
+    import threading
+    from types import SimpleNamespace
+
+    from backend.serving.model import generation_model
+    from backend.serving.request import InflightRequests
+    from backend.serving.responses import ResponseThread
+    model = generation_model(FakePbFull, request_class)()
+    model.model_name, model.metrics = "m", None
+    model.inflight, model.loop = InflightRequests(), ScriptedLoop(script)
+    model.drain = SimpleNamespace(served=threading.Event())
+    model.responses = ResponseThread(FakePbFull, "m", loop=model.loop, inflight=model.inflight, metrics=None,
+                                     abort_message=lambda: ("stopping", "UNAVAILABLE"), healthy=lambda: True)
+    return model
+
+
+def run(model, *requests):
+    model.execute(list(requests))
+    model.responses.stop()
+    return [r.sender for r in requests]
+
+
+
+def test_a_streamed_text_request_through_execute_and_the_response_thread():
+    def script(prompt, params):
+        return [([5], "he", False, None), ([6], "", False, None), ([7], "llo", True, "length")]
+    model = served_model(TextRequest, script)
+    req = FakeServedRequest({"text_input": np.array([b"hi"], dtype=np.object_), "stream": np.array([True]),
+                             "return_num_output_tokens": np.array([True]),
+                             "return_finish_reason": np.array([True])})
+    (sender,) = run(model, req)
+    texts = [r.tensors["text_output"][0].decode() for r, _ in sender.sent]
+    assert "".join(texts) == "hello"                    # deltas, whatever the thread merged
+    assert sum(int(r.tensors["num_output_tokens"][0]) for r, _ in sender.sent) == 3
+    assert len(sender.finals()) == 1 and sender.sent[-1][1] == 1, "exactly one final flag, last"
+    assert sender.sent[-1][0].tensors["finish_reason"][0] == b"length"
+    assert len(model.inflight) == 0
+
+
+def test_a_whole_text_answer_starts_with_the_prompt():
+    model = served_model(TextRequest, lambda p, _: [([5], " wor", False, None), ([6], "ld", True, "stop")])
+    (sender,) = run(model, FakeServedRequest({"text_input": np.array([b"hello"], dtype=np.object_)}))
+    assert [f for _, f in sender.sent] == [1]
+    assert sender.sent[0][0].tensors["text_output"][0] == b"hello world"
+
+
+def test_token_windows_carry_what_was_sent_before():
+    script = lambda p, _: [([1, 2], "ab", False, None), ([3], "", False, None), ([4], "c", True, "length")]
+    model = served_model(TokenRequest, script)
+    streamed = FakeServedRequest({"input_ids": np.array([9, 9], dtype=np.int32), "streaming": np.array([True])})
+    whole = FakeServedRequest({"input_ids": np.array([9, 9], dtype=np.int32)})
+    s1, s2 = run(model, streamed, whole)
+    new = []
+    for r, _ in s1.sent:
+        window, offset = list(r.tensors["output_ids"]), int(r.tensors["output_offset"][0])
+        new += window[offset:]
+    assert new == [1, 2, 3, 4] and len(s1.finals()) == 1
+    (final,) = [r for r, _ in s2.sent]
+    assert list(final.tensors["output_ids"]) == [1, 2, 3, 4] and int(final.tensors["output_offset"][0]) == 0
+
+
+def test_bad_and_refused_requests_get_an_error_and_the_final_flag():
+    from backend.errors import ServerBusy
+
+    def script(prompt, params):
+        if prompt == "busy":
+            raise ServerBusy("server busy: retry later")
+        if prompt == "boom":
+            raise RuntimeError("a bug")
+        return [([], "", True, "error")]
+    model = served_model(TextRequest, script)
+    reqs = [FakeServedRequest({}), FakeServedRequest({"text_input": np.array([b"busy"], dtype=np.object_)}),
+            FakeServedRequest({"text_input": np.array([b"boom"], dtype=np.object_)}),
+            FakeServedRequest({"text_input": np.array([b"x"], dtype=np.object_)})]
+    senders = run(model, *reqs)
+    errors = [[(r.error.message, r.error.code) for r, _ in s.sent] for s in senders]
+    assert errors == [[("missing required input 'text_input'", "INVALID_ARG")],
+                      [("server busy: retry later", "UNAVAILABLE")],
+                      [("internal error: RuntimeError: a bug", "INTERNAL")],
+                      [("internal engine error", "INTERNAL")]]
+    assert all(len(s.finals()) == 1 for s in senders) and len(model.inflight) == 0
+
+
+def test_the_error_builder_serves_stubs_without_error_codes():
+    from backend.serving.responses import error_response
+
+    class OldError:
+        def __init__(self, message):
+            self.message = message
+
+    class OldPb(FakePbFull):
+        TritonError = OldError
+    r = error_response(OldPb, "no code here", "INVALID_ARG")
+    assert r.error.message == "no code here" and r.tensors == {}
+    assert error_response(FakePbFull, "x", "CANCELLED").error.code == "CANCELLED"
+
+
+@pytest.mark.parametrize("where", ["above", "NIGHTDRAFT_ROOT"])
+def test_the_bootstrap_finds_an_uninstalled_backend(tmp_path, where):
+    """Without the install (python -S: no site-packages) the repository's bootstrap finds the
+    package above itself, or in $NIGHTDRAFT_ROOT when the repository lies elsewhere."""
+    import shutil
+    import subprocess
+    repo_root = Path(__file__).resolve().parent.parent
+    bootstrap = repo_root / "model_repository" / "bootstrap.py"
+    env = {k: v for k, v in os.environ.items() if k != "NIGHTDRAFT_ROOT"}
+    if where == "NIGHTDRAFT_ROOT":
+        bootstrap = Path(shutil.copy(bootstrap, tmp_path / "bootstrap.py"))
+        env["NIGHTDRAFT_ROOT"] = str(repo_root)
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1])['find_backend'](); "
+            "import backend; print(backend.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(bootstrap)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == repo_root / "backend" / "__init__.py"
+    assert not (bootstrap.parent / "__pycache__").exists(), "Triton would take __pycache__ for a model"
+
+
+def fake_model_args(tmp_path, **params):
+    from backend.serving.config import ModelArgs
+
+    class Pb:
+        class TritonModelException(Exception):
+            pass
+    config = {"name": "m", "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    return ModelArgs(Pb, {"model_config": json.dumps(config), "model_version": "1",
+                          "model_repository": str(tmp_path)}), Pb
+
+
+def test_the_metrics_scraper_is_a_model_parameter_of_mode_auto(tmp_path):
+    from backend.serving.planner_io import server_signals
+    margs, _ = fake_model_args(tmp_path, metrics_url="")
+    assert server_signals(margs, "auto") is None                      # empty = off
+    margs, pb = fake_model_args(tmp_path, metrics_url="localhost:8002/metrics")
+    with pytest.raises(pb.TritonModelException, match="metrics_url must be an http"):
+        server_signals(margs, "auto")
+    margs, _ = fake_model_args(tmp_path, metrics_url="http://127.0.0.1:9/metrics")
+    assert server_signals(margs, "sd") is None                        # only the planner reads it
+    scraper = server_signals(margs, "auto")
+    try:
+        assert scraper.url == "http://127.0.0.1:9/metrics" and callable(scraper.merge)
+    finally:
+        scraper.close()
+
+
+def test_the_planner_summary_is_exported_as_a_file(tmp_path):
+    from backend.serving.planner_io import SUMMARY_FILE, export_summary
+
+    class Planner:
+        def summary(self):
+            return {"steps": 3, "arm_counts": {"ar": 2, "sd:4": 1}}
+    margs, _ = fake_model_args(tmp_path, **{SUMMARY_FILE: "out/summary.json"})
+    path = margs.path(SUMMARY_FILE)
+    assert path == tmp_path / "1" / "out" / "summary.json"           # relative to the version dir
+    export_summary("m", Planner(), path)
+    assert json.loads(path.read_text()) == Planner().summary()
+    assert fake_model_args(tmp_path)[0].path(SUMMARY_FILE) is None     # unset: no file
+
+
+def test_the_benchmark_sets_the_summary_file_in_its_repository(tmp_path):
+    from client.dynamic_server import planner_summary_path, read_planner_summary, set_model_parameter, write_repository
+    repo = write_repository(tmp_path, {"target": "t"})
+    pbtxt = (repo / "nightdraft" / "config.pbtxt").read_text()
+    assert f'string_value: "{planner_summary_path(repo).resolve()}"' in pbtxt
+    assert pbtxt.count('key: "planner_summary_file"') == 1 and (repo / "bootstrap.py").is_file()
+    assert read_planner_summary(repo) == {}
+    assert 'key: "x"\n  value: { string_value: "y" }' in set_model_parameter("name: \"m\"\n", "x", "y")

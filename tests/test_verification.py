@@ -3,8 +3,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from backend.sampler import sample
-from backend.verification import verify_greedy, verify_rejection
+from backend.sampling.sampler import sample
+from backend.sampling.verification import verify_greedy, verify_rejection
 
 V = 6
 N = 12000

@@ -33,7 +33,7 @@ needs_pair = pytest.mark.skipif(not (TARGET / "config.json").is_file() or not (D
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[list[int]]:
-    from backend.tokenizer import Tokenizer
+    from backend.model.tokenizer import Tokenizer
     tok = Tokenizer.from_pretrained(str(TARGET))
     return [tok.encode(p) for p in load_prompts(None, NUM_PROMPTS)]
 
@@ -51,9 +51,9 @@ def reference(hf_model, prompt_ids) -> list[list[int]]:
 
 
 def _nightdraft_greedy(prompt_ids: list[list[int]], **cfg) -> list[list[int]]:
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
-    from backend.sampling_params import SamplingParams
+    from backend.engine.engine import Engine
+    from backend.engine.config import EngineConfig
+    from backend.sampling.params import SamplingParams
 
     engine = Engine(EngineConfig(target=str(TARGET), dtype="float32", kv_cache_bytes=32 << 20,
                                  num_threads=1, **cfg))

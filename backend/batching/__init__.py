@@ -1,0 +1,1 @@
+"""Continuous batching: a request's life as a sequence, and who runs each step."""

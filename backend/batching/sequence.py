@@ -1,0 +1,65 @@
+"""A request's life inside the engine: its tokens, how much of it the target has cached, its clock."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.sampling.params import SamplingParams
+from backend.model.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]               # prompt followed by everything generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    # Tokens whose K/V the target cache holds. The last token of a decoding sequence is never
+    # cached: it is the input of the next forward.
+    num_computed: int = 0
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    num_preemptions: int = 0
+    emitted_text_len: int = 0          # text already handed out (stop strings may hold some back)
+    stop_text_at: int | None = None    # where a stop string begins in the text (it is cut there)
+    spec_disabled: bool = False        # the drafter could not serve this request: decode plainly
+    prompt_bytes: int = 0              # size of the prompt text (queue budget)
+
+    @property
+    def speculates(self) -> bool:
+        return self.params.speculative and not self.spec_disabled
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

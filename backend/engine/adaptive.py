@@ -1,0 +1,82 @@
+"""Mode auto: the engine's side of the planner, once per step.
+
+snapshot (the load, the drafter and the memory as the engine sees them) -> decide (the
+planner) -> apply (the mode and gamma the step runs; lend the drafter's memory to the KV pool,
+or take it back) -> observe (after the step: what actually ran, its time, what it committed).
+
+The planner depends on these measurements only; it never sees the engine, and the engine reads
+nothing of the planner but its decisions. Signals from outside the engine (a server's metrics
+endpoint) come in through ``extra_signals``, a callable that fills in a snapshot.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from planner import Decision, EngineSignals, LoadSignals, Planner
+
+from backend.batching.scheduler import Scheduler
+from backend.engine.memory import ElasticMemory
+from backend.engine.outputs import StepStats
+from backend.model.kv_cache import PagedKVCache
+from backend.speculation.manager import DrafterManager
+
+
+class AdaptiveController:
+    def __init__(self, planner: Planner, *, scheduler: Scheduler, kv: PagedKVCache,
+                 drafter: DrafterManager, memory: ElasticMemory | None, batch_limit: int,
+                 extra_signals: Callable[[LoadSignals], LoadSignals] | None = None):
+        self.planner = planner
+        self.scheduler = scheduler
+        self.kv = kv
+        self.drafter = drafter
+        self.memory = memory
+        self.batch_limit = batch_limit
+        self.extra_signals = extra_signals
+        self.signals = EngineSignals()
+        self._drafter_paused = False   # the last step drafted nothing: the next drafts catch up
+
+    def record_arrival(self) -> None:
+        self.signals.record_arrivals(1, time.perf_counter())
+
+    def plan(self) -> tuple[str, int]:
+        """(mode, gamma) for this step, with the drafter's memory moved as the planner asks."""
+        signals = self._snapshot()
+        decision = self.planner.decide(signals)
+        mem = self.memory
+        if decision.gamma > 0:
+            if self.drafter.offloaded and mem is not None:
+                mem.start_reload()          # decode plainly until the weights are back
+            if not self.drafter.available:
+                return "ar", 0
+            return decision.mode, decision.gamma
+        if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
+            mem.offload()
+        return "ar", 0
+
+    def _snapshot(self) -> LoadSignals:
+        mem = self.memory
+        signals = self.signals.snapshot(
+            batch_size=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage(), now=time.perf_counter(),
+            drafter_lag_tokens=self.drafter.lag_tokens(self.scheduler.running),
+            drafter_offloaded=self.drafter.offloaded, batch_limit=self.batch_limit,
+            kv_growth_if_offloaded=mem.growth_if_offloaded() if mem is not None else None,
+            kv_usage_at_base=mem.usage_at_base() if mem is not None else None)
+        return self.extra_signals(signals) if self.extra_signals is not None else signals
+
+    def observe(self, step: StepStats, gamma: int, reload_s: float | None) -> None:
+        rebuild_s = 0.0
+        if step.drafted:
+            if self._drafter_paused:       # first drafts after a pause: the catch-up's cost
+                rebuild_s = self.drafter.last_catchup_s
+            self._drafter_paused = False
+        else:
+            self._drafter_paused = True
+        # Score what actually ran (the drafter may still have been on its way back).
+        ran = Decision(step.mode, gamma) if step.drafted else Decision("ar", 0)
+        self.planner.observe(ran, step_wall_s=step.t_cycle_s,
+                             tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
+                             drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
+                             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
+                             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s)

@@ -1,0 +1,86 @@
+"""Commit: a step's tokens appended to a sequence, when it stops, what it may not generate
+before then, and which of its text a client may see yet (the output it hands out).
+
+Rules (vLLM's): until `min_tokens` tokens are out, EOS (unless `ignore_eos`) and
+`stop_token_ids` are masked out of the distribution and stop strings are not looked for. A stop
+string is looked for only where it would end in the text the newest token added, so a stop
+string that `min_tokens` let through earlier never triggers later; the text is cut where the
+stop string begins. While a request runs, the last `len(longest stop string) - 1` characters
+are held back: they may turn out to be the start of a stop string.
+"""
+from __future__ import annotations
+
+from backend.batching.sequence import Sequence
+from backend.engine.outputs import RequestOutput
+
+
+def commit_tokens(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ...],
+                  max_model_len: int) -> tuple[list[int], str | None]:
+    """Append tokens one at a time, stopping exactly where plain decoding would stop: (the
+    tokens committed, why the sequence stops or None)."""
+    committed: list[int] = []
+    reason = None
+    for tok in tokens:
+        seq.token_ids.append(tok)
+        committed.append(tok)
+        before = len(seq.detokenizer.text)
+        seq.detokenizer.push([tok])
+        reason = stop_reason(seq, tok, len(seq.detokenizer.text) - before, eos_token_ids, max_model_len)
+        if reason:
+            break
+    return committed, reason
+
+
+def banned_tokens(seq: Sequence, eos_token_ids: tuple[int, ...], ahead: int = 0) -> tuple[int, ...]:
+    """Token ids the sequence's next token (`ahead` = 0) or a later one may not be, because
+    min_tokens is not reached before it."""
+    p = seq.params
+    if seq.num_output_tokens + ahead >= p.min_tokens:
+        return ()
+    return (() if p.ignore_eos else eos_token_ids) + p.stop_token_ids
+
+
+def stop_reason(seq: Sequence, token: int, new_chars: int, eos_token_ids: tuple[int, ...],
+                max_model_len: int) -> str | None:
+    """Why the sequence stops after `token` (just appended, `new_chars` characters of text),
+    or None. Sets `seq.stop_text_at` when a stop string ends it."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and new_chars:
+            text = seq.detokenizer.text
+            hits = [i for i in (text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+                                for s in p.stop) if i >= 0]
+            if hits:
+                seq.stop_text_at = min(hits)
+                return "stop"
+    if seq.num_output_tokens >= p.max_tokens or len(seq) >= max_model_len:
+        return "length"
+    return None
+
+
+def visible_end(seq: Sequence) -> int:
+    """How much of the sequence's text a client may have now."""
+    text_len = len(seq.detokenizer.text)
+    if seq.is_finished:
+        return seq.stop_text_at if seq.stop_text_at is not None else text_len
+    hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop else 0
+    return max(seq.emitted_text_len, text_len - hold)
+
+
+def output_of(seq: Sequence, new_ids: list[int], error: str | None = None) -> RequestOutput:
+    """The step's news for one request: its new tokens and the text it may see now."""
+    if seq.is_finished:
+        seq.detokenizer.push([], final=True)
+    end = visible_end(seq)
+    delta = seq.detokenizer.text[seq.emitted_text_len:end]
+    seq.emitted_text_len = max(seq.emitted_text_len, end)
+    return RequestOutput(
+        request_id=seq.request_id, new_token_ids=new_ids, new_text=delta,
+        finished=seq.is_finished, finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+        num_drafted=seq.drafted, num_accepted=seq.accepted, error=error,
+        **({"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+            "finish_time": seq.finish_time} if seq.is_finished else {}),
+    )

@@ -1,0 +1,143 @@
+"""Engine configuration: what to load, where, and how to decode. Validated at load time."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+MODES = ("ar", "sd", "psd", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """An engine configuration that cannot work; the message names the key."""
+
+
+@dataclass
+class EngineConfig:
+    target: str
+    drafter: str | None = None
+    device: str = "cpu"
+    # Where the drafter runs. None: in the target's process on `device`. "cuda:N": a worker
+    # process on that GPU. "cpu" / "cpu:CORES" (e.g. "cpu:1", "cpu:2-3"): a worker process pinned
+    # to those cores (default: the last core), with the target kept on the others.
+    drafter_device: str | None = None
+    drafter_timeout_s: float = 10.0             # a worker silent this long is declared hung
+    drafter_restart_s: float = 2.0              # wait this long after a failure before restarting
+    # How a worker's draft probabilities travel: "shared_buffer" (CPU default) or "tensor"
+    # (CUDA default: CUDA IPC; on CPU, shared-memory file descriptors).
+    drafter_probs_transport: str | None = None
+    dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_bytes: int = 64 << 20
+    drafter_kv_cache_bytes: int | None = None   # default: sized to hold as many tokens as the target's
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048          # prefill chunk budget per step
+    max_model_len: int | None = None            # default: the target's max_position_embeddings,
+                                                # capped at what the KV pool holds
+    # Admission limits. A prompt longer than max_prompt_bytes (default: the most bytes
+    # max_model_len tokens can spell) is refused before it is tokenized; beyond max_waiting
+    # queued requests or max_waiting_bytes of queued prompt text the server answers "busy".
+    max_prompt_bytes: int | None = None
+    max_waiting: int = 256
+    max_waiting_bytes: int = 64 << 20
+    mode: str | None = None                     # default: "sd" with a drafter, else "ar"
+    gamma: int = 4
+    gamma_max: int = 8
+    # mode "auto": the adaptive planner picks mode and gamma every step.
+    offload: bool = True                        # ... and may move the drafter off the device
+    planner: dict | None = None                 # Planner settings (planner/planner.py), e.g.
+                                                # {"offload_after_steps": 50, "kv_pressure": 0.9}
+    seed: int = 0
+    num_threads: int | None = None              # torch intra-op threads for this process
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "sd" if self.drafter else "ar"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(isinstance(self.target, str) and bool(self.target), "target: a checkpoint directory is required")
+        need(Path(self.target, "config.json").is_file(), f"target: no config.json in {self.target!r}")
+        if self.drafter is not None:
+            need(Path(self.drafter, "config.json").is_file(), f"drafter: no config.json in {self.drafter!r}")
+        need(self.mode in MODES, f"mode: must be one of {MODES}, got {self.mode!r}")
+        need(self.mode == "ar" or self.drafter is not None, f"mode {self.mode!r} needs a drafter checkpoint")
+        need(self.mode != "psd" or self.drafter_device is not None,
+             "mode 'psd' needs the drafter on its own device: set drafter_device "
+             "(e.g. \"cpu\" for a worker pinned to its own core, or \"cuda:1\")")
+        if self.drafter_device is not None:
+            need(isinstance(self.drafter_device, str) and (
+                self.drafter_device == "cpu" or self.drafter_device.startswith(("cpu:", "cuda"))),
+                f"drafter_device: 'cpu', 'cpu:CORES' or 'cuda:N', got {self.drafter_device!r}")
+        need(isinstance(self.drafter_timeout_s, (int, float)) and self.drafter_timeout_s > 0,
+             "drafter_timeout_s: must be > 0")
+        need(isinstance(self.drafter_restart_s, (int, float)) and self.drafter_restart_s >= 0,
+             "drafter_restart_s: must be >= 0")
+        need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
+             "drafter_probs_transport: 'shared_buffer' or 'tensor'")
+        need(isinstance(self.offload, bool), "offload: must be true or false")
+        need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
+             "max_prompt_bytes: must be a positive integer")
+        need(_is_int(self.max_waiting) and self.max_waiting >= 1, "max_waiting: must be an integer >= 1")
+        need(_is_int(self.max_waiting_bytes) and self.max_waiting_bytes >= 1,
+             "max_waiting_bytes: must be a positive integer")
+        if self.planner is not None:
+            need(isinstance(self.planner, dict), "planner: must be an object of planner settings")
+            from planner import PlannerConfig
+            try:
+                PlannerConfig.from_dict(self.planner)
+            except ValueError as e:
+                raise ConfigError(f"planner: {e}") from None
+        need(self.dtype in DTYPES, f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        need(_is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0, "kv_cache_bytes: must be a positive integer")
+        need(self.drafter_kv_cache_bytes is None or (_is_int(self.drafter_kv_cache_bytes) and self.drafter_kv_cache_bytes > 0),
+             "drafter_kv_cache_bytes: must be a positive integer")
+        need(_is_int(self.block_size) and 1 <= self.block_size <= 1024, "block_size: must be in [1, 1024]")
+        need(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs: must be >= 1")
+        need(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens: must be >= 1")
+        need(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+             "max_model_len: must be >= 2")
+        need(_is_int(self.gamma_max) and 0 <= self.gamma_max <= 32, "gamma_max: must be in [0, 32]")
+        need(_is_int(self.gamma) and 0 <= self.gamma <= self.gamma_max,
+             f"gamma: must be in [0, gamma_max={self.gamma_max}], got {self.gamma!r}")
+        need(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+             "num_threads: must be >= 1")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine config key(s) {unknown}; known: {sorted(known)}")
+        values = dict(raw)
+        if base_dir is not None:  # checkpoint paths in engine.json are relative to the file
+            for key in ("target", "drafter"):
+                if isinstance(values.get(key), str):
+                    values[key] = str((Path(base_dir) / values[key]).resolve())
+        if "target" not in values:
+            raise ConfigError("target: a checkpoint directory is required")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "EngineConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: must hold a JSON object")
+        return cls.from_dict(raw, base_dir=path.parent)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,92 @@
+"""What the engine hands back: per-request deltas and engine-wide statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request. Exactly one output per request has finished=True."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Clock readings (time.perf_counter) for latency metrics; set on the final output.
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_drafted: int = 0                  # drafts proposed for this request so far
+    num_accepted: int = 0                 # ... and accepted by verification
+    error: str | None = None              # set with finish_reason == "error"
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; the planner learns from these."""
+    mode: str = "ar"
+    gamma: int = 0
+    batch_size: int = 0
+    num_prefill_tokens: int = 0
+    num_recompute_tokens: int = 0     # of those, re-fed after a preemption
+    num_forward_tokens: int = 0       # tokens fed to the target's forward (prefill + decode + drafts)
+    tokens_committed: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    t_draft_s: float = 0.0
+    t_verify_s: float = 0.0
+    t_forward_s: float = 0.0          # the target's forward alone (inside t_verify_s)
+    t_step_s: float = 0.0
+    t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
+                                      # handling of the outputs included); t_step_s after idling
+    overlapped: bool = False          # batch-parallel SD drafted the other sub-batch meanwhile
+
+    @property
+    def overlap(self) -> float:
+        """(T_draft + T_verify) / T_step: 1 = no overlap, 2 = perfect overlap."""
+        return (self.t_draft_s + self.t_verify_s) / self.t_step_s if self.t_step_s else 0.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_total_blocks: int = 0
+    kv_free_blocks: int = 0
+    kv_usage: float = 0.0
+    drafter_kv_usage: float = 0.0
+    mode: str = "ar"
+    gamma: int = 0
+    drafter_state: str = "none"            # "none" | "on_device" | "failed" | "restarting" | "offloaded"
+    drafter_failures: int = 0
+    drafter_restarts: int = 0
+    drafter_request_failures: int = 0      # requests the drafter could not serve (decoded plainly)
+    request_errors: int = 0                # requests failed alone by a fault in a batched step
+    drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
+    offloads: int = 0                      # drafter weights moved to host (elastic memory)
+    reloads: int = 0
+    planner_switches: int = 0
+    psd_steps: int = 0
+    psd_fallback_steps: int = 0            # verified sub-batch had no proposals: drafted in line
+    psd_unbalanced_steps: int = 0          # one sub-batch empty while the other held >= 2
+    psd_overlapped_steps: int = 0          # a draft of the other sub-batch overlapped the verify
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_calls: int = 0                  # decode/verify forwards that committed tokens
+    decode_tokens: int = 0                 # tokens committed by those calls
+    preemptions: int = 0
+    last_step: StepStats = field(default_factory=StepStats)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_tokens_per_target_call(self) -> float:
+        return self.decode_tokens / self.target_calls if self.target_calls else 0.0

@@ -1,0 +1,97 @@
+"""Verify: from one forward's logits to the tokens each sequence commits this step.
+
+Tokens a request may not produce yet (EOS and stop tokens before ``min_tokens``) are masked
+first; greedy requests take the argmax, sampled ones draw from their processed distribution, and
+drafts are accepted exactly (:mod:`backend.sampling.verification`). Each request's decision
+stands alone: one whose logits are not finite, or whose sampling raises, gets its exception back
+instead of tokens, and the others are decided as if it were not there.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.batching.scheduler import ScheduledSeq
+from backend.engine.commit import banned_tokens
+from backend.sampling.sampler import processed_probs, sample
+from backend.sampling.verification import verify_greedy, verify_rejection
+
+Rows = list[tuple[int, int]]      # per scheduled sequence: (first logits row, row count)
+
+
+def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
+           eos_token_ids: tuple[int, ...]) -> list[list[int] | Exception | None]:
+    """Per scheduled sequence: the tokens it commits, the exception that stopped it, or None when
+    this step decides nothing for it (a prefill chunk that does not reach its end)."""
+    if not logits.numel():
+        return [None] * len(batch)
+    # Rows the model made non-finite fail their request (checked before masking, which writes
+    # -inf on purpose).
+    finite = torch.isfinite(logits).all(dim=-1)
+    finite = finite.tolist() if not bool(finite.all()) else None
+    _mask_banned(batch, rows, logits, eos_token_ids)
+    argmax = logits.argmax(dim=-1).tolist()
+    probs = _sampling_probs(batch, rows, logits)
+    out: list[list[int] | Exception | None] = []
+    for i, (s, (first, n)) in enumerate(zip(batch, rows)):
+        if not n:
+            out.append(None)
+            continue
+        try:
+            if finite is not None and not all(finite[first:first + n]):
+                raise FloatingPointError("the model produced non-finite logits")
+            out.append(_verify(s, argmax[first:first + n], probs.get(i)))
+        except Exception as e:  # noqa: BLE001 - this request alone
+            out.append(e)
+    return out
+
+
+def _verify(s: ScheduledSeq, argmax: list[int], probs) -> list[int]:
+    seq = s.seq
+    drafts = s.drafts if s.gamma else []
+    if seq.params.greedy:
+        return verify_greedy(argmax, drafts)
+    if isinstance(probs, Exception):
+        raise probs
+    if drafts:
+        return verify_rejection(probs, s.draft_probs.to(probs.device), drafts, seq.generator)
+    return [sample(probs[0], seq.generator)]
+
+
+def _mask_banned(batch, rows: Rows, logits: torch.Tensor, eos: tuple[int, ...]) -> None:
+    """Banned tokens get probability 0 in the distribution that decides them (greedy too)."""
+    cells_r, cells_t = [], []
+    for s, (first, n) in zip(batch, rows):
+        if n and s.seq.params.min_tokens > s.seq.num_output_tokens:
+            for j in range(n):
+                for t in banned_tokens(s.seq, eos, ahead=j):
+                    cells_r.append(first + j)
+                    cells_t.append(t)
+    if cells_r:
+        logits[torch.tensor(cells_r, device=logits.device),
+               torch.tensor(cells_t, device=logits.device)] = float("-inf")
+
+
+def _sampling_probs(batch, rows: Rows, logits: torch.Tensor) -> dict[int, torch.Tensor | Exception]:
+    """Per batch index of a sampled request: its rows' distributions [n, V], computed in one
+    batch (or one request at a time, if the batch raises: its error fails that request alone)."""
+    sampled = [(i, first, n) for i, (s, (first, n)) in enumerate(zip(batch, rows))
+               if n and not s.seq.params.greedy]
+    if not sampled:
+        return {}
+    row_ids = [r for _, first, n in sampled for r in range(first, first + n)]
+    row_params = [batch[i].seq.params for i, _, n in sampled for _ in range(n)]
+    try:
+        p = processed_probs(logits[row_ids], row_params)
+    except Exception:  # noqa: BLE001 - one request's parameters: compute them one by one
+        out: dict[int, torch.Tensor | Exception] = {}
+        for i, first, n in sampled:
+            try:
+                out[i] = processed_probs(logits[first:first + n], [batch[i].seq.params] * n)
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+        return out
+    out, k = {}, 0
+    for i, _, n in sampled:
+        out[i] = p[k:k + n]
+        k += n
+    return out

@@ -1,0 +1,2 @@
+"""Sampling: per-request parameters (validated at the door), the distributions they define,
+and exact verification of drafted tokens against them."""

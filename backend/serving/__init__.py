@@ -1,0 +1,42 @@
+"""The Triton adapter: Triton's Python backend over the engine.
+
+``pb_utils`` (``triton_python_backend_utils``) is passed in by ``model_repository/bootstrap.py``,
+which every ``model.py`` of the model repository runs, so importing ``backend`` never needs
+Triton and every module here is testable with a fake.
+
+=====================  ========================================================================
+``model``              the decoupled generation models' life cycle: initialize, execute, finalize
+``request``            what every request in flight holds (sender, timing), and the registry
+``text_request``       the vLLM-backend schema (model ``nightdraft``): parse, build responses
+``token_request``      the TensorRT-LLM-style token schema (model ``nightdraft_tokens``)
+``inputs``             reading input tensors and request parameters (values via backend.values)
+``responses``          the response/cancel thread, the one error builder, coalescing of outputs
+``drain``              shutdown is a drain: notice the unload, let requests finish, end the rest
+``health``             the model's readiness, asked over the server's own HTTP endpoint
+``metrics``            the model's Prometheus families through ``pb_utils.MetricFamily``
+``planner_io``         the planner's link to the server: Triton's metrics in, its summary out
+``ensemble``           the ensemble's stateless ends: preprocessing and postprocessing
+``config``             model parameters and the engine configuration, shared by every model
+``log_bridge``         the ``nightdraft`` loggers into Triton's log
+=====================  ========================================================================
+"""
+from __future__ import annotations
+
+from typing import Any
+
+FLAVOURS = ("text", "tokens", "preprocessing", "postprocessing")
+
+
+def python_model(flavour: str, pb_utils: Any) -> type:
+    """The ``TritonPythonModel`` class of a model.py: ``flavour`` is one of :data:`FLAVOURS`."""
+    if flavour in ("text", "tokens"):
+        from backend.serving.model import generation_model
+        if flavour == "text":
+            from backend.serving.text_request import TextRequest as request_class
+        else:
+            from backend.serving.token_request import TokenRequest as request_class
+        return generation_model(pb_utils, request_class)
+    if flavour in ("preprocessing", "postprocessing"):
+        from backend.serving.ensemble import ensemble_model
+        return ensemble_model(pb_utils, flavour)
+    raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour!r}")

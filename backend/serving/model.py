@@ -1,0 +1,172 @@
+"""The decoupled generation models (``nightdraft``, ``nightdraft_tokens``): their life cycle.
+
+One class serves both; the request class says the schema (``text_request.TextRequest``,
+``token_request.TokenRequest``). Threads: ``execute`` parses, submits and returns. The engine
+loop thread steps the engine and queues every output; the response thread
+(``responses.ResponseThread``) turns them into responses, sends them, and polls cancellation.
+A watcher thread notices the unload and drains (``drain.Drain``). Every request gets exactly one
+final flag, also at ``finalize``, which aborts in-flight work and joins the threads.
+
+Model parameters (config.pbtxt): ``engine_config`` (engine.json, relative to the version
+directory), ``report_custom_metrics``, ``shutdown_grace_s``, ``metrics_url`` and
+``planner_summary_file`` (mode auto; see ``planner_io``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from backend.engine.loop import EngineLoop, EngineLoopError
+from backend.engine.outputs import RequestOutput
+from backend.errors import InvalidRequest, ServerBusy
+from backend.serving.config import ModelArgs, load_engine_config
+from backend.serving.drain import DEFAULT_SHUTDOWN_GRACE_S, Drain
+from backend.serving.log_bridge import install_log_bridge
+from backend.serving.planner_io import SUMMARY_FILE, export_summary, server_signals
+from backend.serving.request import InflightRequests, ServedRequest
+from backend.serving.responses import ResponseThread, send_error
+
+log = logging.getLogger("nightdraft.triton")
+
+
+def generation_model(pb_utils: Any, request_class: type[ServedRequest]) -> type:
+    """The ``TritonPythonModel`` class of a generation model with this request schema."""
+
+    class TritonPythonModel(GenerationModel):
+        pb = pb_utils
+        REQUEST = request_class
+
+    return TritonPythonModel
+
+
+class GenerationModel:
+    pb: Any = None
+    REQUEST: type[ServedRequest] = ServedRequest
+
+    # ------------------------------------------------------------------ life cycle
+
+    def initialize(self, args: dict[str, str]) -> None:
+        install_log_bridge(self.pb)
+        margs = ModelArgs(self.pb, args)
+        self.model_name = margs.name
+        if not margs.decoupled():
+            raise margs.fail("config.pbtxt must set model_transaction_policy { decoupled: true }")
+        grace_s = margs.seconds("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S)
+        self._summary_file = margs.path(SUMMARY_FILE)
+        self.engine = self._load_engine(margs)
+        self.metrics = self._start_metrics(margs)
+        self.inflight = InflightRequests()
+        self.loop = EngineLoop(self.engine, on_step=self._on_step, name=f"{self.model_name}-engine")
+        self.drain = Drain(self.model_name, margs.version, loop=self.loop, inflight=self.inflight,
+                           grace_s=grace_s)
+        self.responses = ResponseThread(self.pb, self.model_name, loop=self.loop, inflight=self.inflight,
+                                        metrics=self.metrics, abort_message=self.drain.abort_message,
+                                        healthy=lambda: self.loop.healthy or self.drain.draining.is_set())
+        self.drain.watch()
+
+    def _load_engine(self, margs: ModelArgs) -> Any:
+        config, path = load_engine_config(margs, "engine.json")
+        log.info("%s: loading engine from %s (target %s, drafter %s, mode %s, device %s)",
+                 self.model_name, path, config.target, config.drafter, config.mode, config.device)
+        from backend.engine.engine import Engine  # heavy (torch); imported when a model loads
+        self._server_signals = server_signals(margs, config.mode)
+        t0 = time.monotonic()
+        try:
+            merge = self._server_signals.merge if self._server_signals is not None else None
+            engine = Engine(config, extra_signals=merge)
+        except BaseException:
+            self._close_server_signals()
+            raise
+        log.info("%s: engine ready in %.1f s (max_model_len %d)", self.model_name,
+                 time.monotonic() - t0, engine.max_model_len)
+        return engine
+
+    def _start_metrics(self, margs: ModelArgs) -> Any | None:
+        if not margs.flag("report_custom_metrics", True):
+            return None
+        try:
+            from backend.serving.metrics import TritonMetrics
+            metrics = TritonMetrics(self.pb, {"model": self.model_name, "version": margs.version})
+            metrics.update_from_stats(self.engine.stats(), force=True)
+            return metrics
+        except Exception as e:  # e.g. the server runs with --allow-metrics=false
+            log.warning("%s: custom metrics disabled: %s", self.model_name, e)
+            return None
+
+    def finalize(self) -> None:
+        log.info("%s: finalize: aborting %d in-flight request(s)", self.model_name, len(self.inflight))
+        self.drain.close()
+        try:
+            self.loop.shutdown(abort_inflight=True, timeout_s=30.0)
+        except Exception:
+            log.exception("engine loop shutdown failed")
+        self.responses.stop(timeout_s=30.0)
+        # Anything left (the response thread died or timed out) still gets its final flag.
+        for r in self.inflight.take_all():
+            if not r.final_sent:
+                r.final_sent = True
+                send_error(self.pb, r.sender, "the model was unloaded before the request finished",
+                           "UNAVAILABLE", self.model_name)
+        if self.metrics is not None:
+            try:
+                self.metrics.update_from_stats(self.engine.stats(), force=True)
+            except Exception:
+                log.exception("final metrics update failed")
+        self._export_planner_summary()
+        try:
+            self.engine.close()   # the drafter worker
+        except Exception:
+            log.exception("engine.close() failed")
+        self._close_server_signals()
+        log.info("%s: finalized", self.model_name)
+
+    def _export_planner_summary(self) -> None:
+        planner = getattr(self.engine, "planner", None)
+        if planner is not None:   # what mode auto did over the model's life
+            try:
+                export_summary(self.model_name, planner, self._summary_file)
+            except Exception:
+                log.exception("planner summary failed")
+
+    def _close_server_signals(self) -> None:
+        if self._server_signals is not None:
+            try:
+                self._server_signals.close()
+            except Exception:
+                log.exception("closing the metrics scraper failed")
+
+    # ------------------------------------------------------------------ requests in
+
+    def execute(self, requests: list[Any]) -> None:
+        now = time.monotonic()
+        self.drain.served.set()
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._admit(self.REQUEST(self.pb, request, sender, now))
+            except InvalidRequest as e:
+                send_error(self.pb, sender, str(e), "INVALID_ARG", self.model_name)
+            except (EngineLoopError, ServerBusy) as e:
+                send_error(self.pb, sender, str(e), "UNAVAILABLE", self.model_name)
+            except Exception as e:  # a bug; the client still gets an answer and a final flag
+                log.error("%s: request failed before reaching the engine: %s", self.model_name,
+                          traceback.format_exc())
+                send_error(self.pb, sender, f"internal error: {type(e).__name__}: {e}", "INTERNAL",
+                           self.model_name)
+        return None
+
+    def _admit(self, r: ServedRequest) -> None:
+        self.inflight.add(r)
+        try:
+            self.loop.submit(r.id, r.prompt, r.params, self.responses.callback(r))
+        except BaseException:
+            self.inflight.remove(r)
+            raise
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:  # engine loop thread
+        if self.metrics is not None:
+            idle = not self.engine.has_unfinished()
+            if idle or self.metrics.due():
+                self.metrics.update_from_stats(self.engine.stats(), force=idle)

@@ -1,0 +1,120 @@
+"""A request in flight, from ``execute`` to its final response, and the registry of them.
+
+Each request schema is a subclass (``text_request.TextRequest``, ``token_request.TokenRequest``,
+as Triton's vLLM backend has one request class per schema): its constructor parses the inputs
+(``InvalidRequest`` names what is wrong) into ``prompt``, ``params`` and ``stream``, and its two
+response methods turn the engine's outputs into that schema's responses. What is common to all
+of them lives here: the response sender, cancellation, and the timing the metrics report.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from backend.engine.outputs import RequestOutput
+from backend.sampling.params import SamplingParams
+
+
+class ServedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0):
+        self.pb = pb
+        self.request = request
+        self.sender = sender
+        self.arrival = arrival
+        self.id = uuid.uuid4().hex                # the engine's id (clients' ids may repeat)
+        self.client_id = _client_id(request)
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.cancelled = False
+        self.final_sent = False
+
+    # ---- the schema's side
+
+    def partial_response(self, out: RequestOutput) -> Any | None:
+        """The response for a non-final output, or None when it sends nothing now."""
+        raise NotImplementedError
+
+    def final_response(self, out: RequestOutput) -> Any:
+        """The final response of a request that finished normally (stop or length)."""
+        raise NotImplementedError
+
+    def tensor(self, name: str, array: Any) -> Any:
+        return self.pb.Tensor(name, array)
+
+    # ---- common to every schema
+
+    def track(self, out: RequestOutput, t_first: float, t_last: float) -> None:
+        """Note an output's times (of its first and last merged part) and counts."""
+        if out.new_token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = t_first
+            self.last_token_at = t_last
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+
+    def latencies(self) -> tuple[float | None, float | None]:
+        """(time to first token, mean time per output token after the first)."""
+        if self.first_token_at is None:
+            return None, None
+        tpot = None
+        if self.num_output_tokens > 1:
+            tpot = (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
+        return self.first_token_at - self.arrival, tpot
+
+    def client_cancelled(self) -> bool:
+        try:
+            return bool(self.sender.is_cancelled())
+        except Exception:
+            try:
+                return bool(self.request.is_cancelled())
+            except Exception:
+                return False
+
+    @property
+    def label(self) -> str:
+        return self.client_id or self.id
+
+
+def _client_id(request: Any) -> str:
+    try:
+        return request.request_id() or ""
+    except Exception:
+        return ""
+
+
+class InflightRequests:
+    """The requests that have not had their final response yet; any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, ServedRequest] = {}
+
+    def add(self, r: ServedRequest) -> None:
+        with self._lock:
+            self._by_id[r.id] = r
+
+    def remove(self, r: ServedRequest) -> None:
+        with self._lock:
+            self._by_id.pop(r.id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def watched(self) -> list[ServedRequest]:
+        """Those whose cancellation is still worth polling."""
+        with self._lock:
+            return [r for r in self._by_id.values() if not r.cancelled and not r.final_sent]
+
+    def take_all(self) -> list[ServedRequest]:
+        with self._lock:
+            left = list(self._by_id.values())
+            self._by_id.clear()
+        return left

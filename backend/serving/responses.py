@@ -1,0 +1,196 @@
+"""Responses out: the one error builder, and the thread that sends every response.
+
+The engine loop thread only queues each output (``ResponseThread.callback``). The response
+thread takes what is queued, merges each request's outputs into one (``coalesce``: a thread
+that falls behind the engine catches up by sending one response per request, not one per
+step), builds the responses with the request's schema, sends them, and polls
+``is_cancelled()`` of the requests in flight every ``CANCEL_POLL_S`` (a cancelled request is
+aborted in the engine, which frees its KV blocks at the next step). Every request gets exactly
+one final flag: sent in ``finally``, also when building its response fails.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import replace
+from typing import Any, Callable
+
+from backend.engine.outputs import RequestOutput
+from backend.serving.request import InflightRequests, ServedRequest
+
+log = logging.getLogger("nightdraft.triton")
+
+CANCEL_POLL_S = 0.05
+MAX_BATCH = 4096
+
+
+def error_response(pb: Any, message: str, code: str = "INTERNAL") -> Any:
+    """An error response; ``code`` names a ``pb_utils.TritonError`` code (INVALID_ARG,
+    UNAVAILABLE, CANCELLED, INTERNAL). Older stubs take no code: the message alone then."""
+    try:
+        err = pb.TritonError(message, getattr(pb.TritonError, code))
+    except (TypeError, AttributeError):
+        err = pb.TritonError(message)
+    return pb.InferenceResponse(output_tensors=[], error=err)
+
+
+def send_error(pb: Any, sender: Any, message: str, code: str, name: str = "nightdraft") -> None:
+    """An error response with the final flag (``name``: the model, for the log)."""
+    try:
+        sender.send(error_response(pb, message, code), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception:
+        log.error("%s: sending an error response failed:\n%s", name, traceback.format_exc())
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[tuple[RequestOutput, int]]:
+    """Merge the outputs of the same request that are waiting to be sent into one, in order:
+    (merged output, index of its first part). A server that falls behind then sends one
+    response per request instead of one per engine step, which is what lets it catch up.
+    Nothing follows a request's final output (the engine sends none)."""
+    merged: dict[str, int] = {}
+    out: list[tuple[RequestOutput, int]] = []
+    for i, o in enumerate(outputs):
+        k = merged.get(o.request_id)
+        if k is None or out[k][0].finished:
+            merged[o.request_id] = len(out)
+            out.append((o, i))
+            continue
+        prev, first = out[k]
+        out[k] = (replace(o, new_token_ids=prev.new_token_ids + o.new_token_ids,
+                          new_text=prev.new_text + o.new_text), first)
+    return out
+
+
+class ResponseThread:
+    """Sends the responses of one model instance. ``abort_message()`` says why a request the
+    engine aborted (and the client did not cancel) ended: (message, code)."""
+
+    def __init__(self, pb: Any, name: str, *, loop: Any, inflight: InflightRequests,
+                 metrics: Any, abort_message: Callable[[], tuple[str, str]],
+                 healthy: Callable[[], bool]):
+        self.pb, self.name = pb, name
+        self.loop, self.inflight, self.metrics = loop, inflight, metrics
+        self._abort_message, self._healthy = abort_message, healthy
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = object()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-responses", daemon=True)
+        self._thread.start()
+
+    def callback(self, r: ServedRequest) -> Callable[[RequestOutput], None]:
+        """The engine loop's callback for ``r``: runs on the loop thread, so it only queues."""
+        put = self._queue.put
+
+        def on_output(out: RequestOutput) -> None:
+            put((r, out, time.monotonic()))
+        return on_output
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, then end the thread."""
+        self._queue.put(self._stop)
+        self._thread.join(timeout=timeout_s)
+
+    # ---- the thread
+
+    def _run(self) -> None:
+        last_poll = time.monotonic()
+        while True:
+            batch = self._take()
+            stopping = any(item is self._stop for item in batch)
+            if stopping:   # drain what is queued (finals from the shutdown) before leaving
+                batch += self._take_queued()
+            self._send_batch([item for item in batch if item is not self._stop])
+            if stopping:
+                return
+            now = time.monotonic()
+            if now - last_poll >= CANCEL_POLL_S:
+                last_poll = now
+                self._poll_cancelled()
+                if self.metrics is not None:
+                    self.metrics.set_healthy(self._healthy())
+
+    def _take(self) -> list:
+        """What is queued: wait up to CANCEL_POLL_S for the first item, then take the rest."""
+        try:
+            first = self._queue.get(timeout=CANCEL_POLL_S)
+        except queue.Empty:
+            return []
+        return [first] + self._take_queued(MAX_BATCH - 1)
+
+    def _take_queued(self, limit: int | None = None) -> list:
+        items: list = []
+        while limit is None or len(items) < limit:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _send_batch(self, items: list[tuple]) -> None:
+        """One response per request; the first part's time is its first token's."""
+        latest = {out.request_id: (r, t_out) for r, out, t_out in items}
+        for out, first in coalesce([out for _, out, _ in items]):
+            r, t_last = latest[out.request_id]
+            self._handle(r, out, items[first][2], t_last)
+
+    def _poll_cancelled(self) -> None:
+        for r in self.inflight.watched():
+            if r.client_cancelled():
+                r.cancelled = True
+                log.info("%s: request %s cancelled by the client; aborting it", self.name, r.label)
+                self.loop.abort(r.id)
+
+    def _handle(self, r: ServedRequest, out: RequestOutput, t_first: float, t_last: float) -> None:
+        if r.final_sent:
+            return
+        r.track(out, t_first, t_last)
+        if not out.finished:
+            try:
+                response = r.partial_response(out)
+                if response is not None:
+                    r.sender.send(response)
+            except Exception:
+                log.error("%s: sending a partial response failed; aborting the request:\n%s",
+                          self.name, traceback.format_exc())
+                self.loop.abort(r.id)
+            return
+        response = None
+        try:
+            response = self._final_response(r, out)
+        except Exception as e:
+            log.error("%s: building the final response failed:\n%s", self.name, traceback.format_exc())
+            response = error_response(self.pb, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+        finally:
+            self._finish(r, out)
+            self._send_final(r, response)
+
+    def _final_response(self, r: ServedRequest, out: RequestOutput) -> Any:
+        if out.finish_reason == "error":
+            return error_response(self.pb, out.error or "internal engine error", "INTERNAL")
+        if out.finish_reason == "abort":
+            if r.cancelled:
+                return error_response(self.pb, "request cancelled by the client", "CANCELLED")
+            return error_response(self.pb, *self._abort_message())
+        return r.final_response(out)
+
+    def _send_final(self, r: ServedRequest, response: Any) -> None:
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            r.sender.send(response, flags=final)
+        except Exception:
+            log.error("%s: sending the final response failed:\n%s", self.name, traceback.format_exc())
+            try:  # at least the flag, so the client is not left waiting
+                r.sender.send(flags=final)
+            except Exception:
+                pass
+
+    def _finish(self, r: ServedRequest, out: RequestOutput) -> None:
+        r.final_sent = True
+        self.inflight.remove(r)
+        if self.metrics is not None:
+            ttft, tpot = r.latencies()
+            reason = "abort" if r.cancelled else out.finish_reason
+            self.metrics.observe_request(ttft_s=ttft, tpot_s=tpot, e2e_s=time.monotonic() - r.arrival,
+                                         finish_reason=reason)

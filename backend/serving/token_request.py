@@ -1,0 +1,93 @@
+"""The TensorRT-LLM-style token schema (model ``nightdraft_tokens``, the middle of the ensemble).
+
+Inputs: ``input_ids`` (required), ``input_lengths``, ``request_output_len``, ``streaming``,
+``temperature``, ``runtime_top_k``, ``runtime_top_p``, ``random_seed``, ``sampling_parameters``.
+
+Outputs: ``output_ids`` and ``output_offset``. Each response holds a window of token ids whose
+first ``output_offset`` ids were already sent (context for the decoder), so the stateless
+``postprocessing`` model can decode exactly the text delta the engine's incremental detokenizer
+produced, also across multi-byte characters. A response goes out only when the detokenizer
+produced text (a clean text boundary).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backend.engine.outputs import RequestOutput
+from backend.errors import InvalidRequest
+from backend.sampling.params import SamplingParams
+from backend.serving.inputs import input_int, optional_scalar, sampling_parameters
+from backend.serving.request import ServedRequest
+from backend.values import to_bool
+
+SCALARS = {  # TensorRT-LLM input name -> SamplingParams key
+    "request_output_len": "max_tokens",
+    "temperature": "temperature",
+    "runtime_top_k": "top_k",
+    "runtime_top_p": "top_p",
+    "random_seed": "seed",
+}
+
+
+class TokenRequest(ServedRequest):
+
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0):
+        super().__init__(pb, request, sender, arrival)
+        self.prompt = _input_ids(pb, request)
+        raw = sampling_parameters(pb, request)
+        self.stream = False
+        if "streaming" in raw or "stream" in raw:
+            self.stream = to_bool("streaming", raw.pop("streaming", raw.pop("stream", False)))
+        streaming = optional_scalar(pb, request, "streaming")
+        if streaming is not None:
+            self.stream = to_bool("streaming", streaming)
+        for name, key in SCALARS.items():
+            v = optional_scalar(pb, request, name)
+            if v is not None:
+                raw[key] = v
+        self.params = SamplingParams.from_dict(raw)
+        self._ids: list[int] = []       # every id generated so far
+        self._win_start = 0             # where the next window starts
+        self._win_read = 0              # ids already sent
+
+    # ---- responses
+
+    def partial_response(self, out: RequestOutput) -> Any | None:
+        self._ids += out.new_token_ids
+        if self.stream and out.new_text:   # a clean text boundary: send the window
+            return self._window_response()
+        return None
+
+    def final_response(self, out: RequestOutput) -> Any:
+        self._ids += out.new_token_ids
+        if not self.stream:                # one response: every id, none sent before
+            self._win_start, self._win_read = 0, 0
+        return self._window_response()
+
+    def _window_response(self) -> Any:
+        window = self._ids[self._win_start:]
+        offset = self._win_read - self._win_start
+        self._win_start, self._win_read = self._win_read, len(self._ids)
+        return self.pb.InferenceResponse(output_tensors=[
+            self.tensor("output_ids", np.array(window, dtype=np.int32)),
+            self.tensor("output_offset", np.array([offset], dtype=np.int32)),
+        ])
+
+
+def _input_ids(pb: Any, request: Any) -> list[int]:
+    t = pb.get_input_tensor_by_name(request, "input_ids")
+    if t is None:
+        raise InvalidRequest("missing required input 'input_ids'")
+    ids = np.asarray(t.as_numpy()).reshape(-1)
+    if ids.dtype.kind not in "iu":
+        raise InvalidRequest(f"input 'input_ids' must hold integers, got {ids.dtype}")
+    n = input_int(pb, request, "input_lengths")
+    if n is not None:
+        if not 0 <= n <= ids.size:
+            raise InvalidRequest(f"input_lengths {n} outside [0, {ids.size}]")
+        ids = ids[:n]
+    if ids.size == 0:
+        raise InvalidRequest("input 'input_ids' is empty")
+    return [int(x) for x in ids]

@@ -1,0 +1,283 @@
+"""The drafter: a small model with its own paged KV cache that proposes tokens, in process
+(a :class:`~backend.speculation.proposer.Proposer`; the worker runs one in its own process).
+
+It keeps its own copy of every sequence's tokens, keeps the K/V of its previous proposals that
+turned out to be accepted, and catches up on the rest (after gamma = 0 steps, or for a new
+sequence) with one ragged forward before drafting.
+
+A request the drafter cannot serve (its sampling state, a desynchronised sequence, a forward
+that raises for it) gets an empty proposal with `error` set and is forgotten; every other
+request in the call is drafted as if it had been alone. Speculation is optional, so that request
+simply decodes without drafts.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.model.kv_cache import PagedKVCache
+from backend.model.loader import load_model
+from backend.model.llama import CausalLM
+from backend.sampling.sampler import make_generator, processed_probs
+from backend.sampling.params import SamplingParams
+from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal
+
+
+@dataclass
+class _SeqState:
+    tokens: list[int] = field(default_factory=list)
+    kv_len: int = 0                # tokens whose K/V are cached (may include a speculative tail)
+    spec_tail: list[int] = field(default_factory=list)   # cached drafts not yet confirmed
+    generator: torch.Generator | None = None
+
+
+class Drafter:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, seed: int = 0):
+        self.model = model
+        self.kv = kv_cache
+        self.device = kv_cache.device
+        self._kv_blocks = kv_cache.num_blocks
+        self._block_size = kv_cache.block_size
+        self._kv_dtype = kv_cache.dtype
+        # the weights' size does not change when they move: counted once, not on every step
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._seqs: dict[str, _SeqState] = {}
+        self._seed_source = make_generator(seed)
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        self.last_propose_s = 0.0
+        self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
+        self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
+
+    @classmethod
+    def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
+             block_size: int, seed: int = 0, offloaded: bool = False) -> "Drafter":
+        """`offloaded`: start with the weights in host memory and no KV pool, as a drafter that
+        replaces an offloaded one must (its device memory is lent to the target's KV cache)."""
+        if not offloaded:
+            model = load_model(path, device=device, dtype=dtype)
+            kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
+                                        dtype=dtype, device=device)
+            return cls(model, kv, seed=seed)
+        model = load_model(path, device="cpu", dtype=dtype)
+        for module in model.modules():      # buffers (rope table) live on the device regardless
+            for name, buf in module.named_buffers(recurse=False):
+                module.register_buffer(name, buf.to(device), persistent=False)
+        # Sized like the real pool but allocated nowhere ("meta"): reload allocates it.
+        kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
+                                    dtype=dtype, device="meta")
+        drafter = cls(model, kv, seed=seed)
+        drafter.device = torch.device(device)
+        drafter.offload()
+        return drafter
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def free(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+        if self.kv is not None:
+            self.kv.free(seq_id)
+
+    def kv_usage(self) -> float:
+        return self.kv.usage() if self.kv is not None else 0.0
+
+    # -- elastic memory ----------------------------------------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        return self._host_weights is not None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._weight_bytes
+
+    def loaded_bytes(self) -> int:
+        """Bytes this drafter holds on its device while its weights are there: weights + KV pool."""
+        return self._weight_bytes + self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        return self._kv_blocks * PagedKVCache.bytes_per_block(self.model.config, self._block_size,
+                                                              self._kv_dtype)
+
+    def offload(self) -> int:
+        """Weights to host memory (pinned on CUDA), KV pool released; returns the bytes freed on
+        the device. Sequences are remembered; their K/V is rebuilt by catch-up after reload."""
+        if self.offloaded:
+            return 0
+        freed = self.loaded_bytes()
+        pin = self.device.type == "cuda"
+        self._host_weights = {}
+        for name, p in self.model.named_parameters():
+            host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+            host.copy_(p.data)
+            self._host_weights[name] = host
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        for st in self._seqs.values():
+            st.kv_len, st.spec_tail = 0, []
+        self.kv = None
+        return freed
+
+    def reload(self) -> None:
+        """Weights back onto the device, a fresh KV pool. On CUDA the copy runs on a side stream
+        so that the target's work on the default stream goes on meanwhile."""
+        if not self.offloaded:
+            return
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, p in self.model.named_parameters():
+                p.data = self._host_weights[name].to(self.device, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+        self._host_weights = None
+        self.kv = PagedKVCache.for_model(self.model.config, self.kv_bytes(),
+                                         block_size=self._block_size, dtype=self._kv_dtype,
+                                         device=self.device)
+
+    def reload_async(self) -> Future:
+        """Reload on a helper thread (decoding goes on); the future's result is its seconds."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightdraft-reload")
+        t0 = time.perf_counter()
+        future = pool.submit(lambda: (self.reload(), time.perf_counter() - t0)[1])
+        pool.shutdown(wait=False)
+        return future
+
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def refresh_stats(self) -> None:
+        """(Its stats are always current in process.)"""
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """(Nothing to stop in process.)"""
+
+    def propose_async(self, requests: list[DraftRequest]) -> Done:
+        return Done(requests, self.propose(requests))
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        if self.offloaded:
+            raise RuntimeError("the drafter is offloaded; reload it before proposing")
+        t0 = time.perf_counter()
+        proposals = [Proposal([], None) for _ in requests]
+        active: list[int] = []
+        for i, req in enumerate(requests):
+            try:
+                st = self._sync(req)
+            except Desynchronised:
+                self.free(req.seq_id)
+                proposals[i].resync = True
+                continue
+            except Exception as e:  # noqa: BLE001 - this request's own state; isolate it
+                self._forget(req, proposals, i, e)
+                continue
+            if req.gamma > 0 and self.kv.ensure_capacity(req.seq_id, len(st.tokens) + req.gamma - 1):
+                active.append(i)
+            # else: no room in the drafter's cache; this sequence simply isn't speculated on.
+        self._draft_isolated(requests, active, proposals, t0)
+        self.last_propose_s = time.perf_counter() - t0
+        return proposals
+
+    def _forget(self, req: DraftRequest, proposals: list[Proposal], i: int, error: Exception) -> None:
+        self.free(req.seq_id)
+        proposals[i] = Proposal([], None, error=f"{type(error).__name__}: {error}")
+
+    def _draft_isolated(self, requests, active: list[int], proposals: list[Proposal], t0: float) -> None:
+        """Draft `active` in one batch; if that raises, undo its effect on the sequences'
+        caches and retry each half alone, so only the request(s) that fail alone lose drafts."""
+        if not active:
+            return
+        states = [self._seqs[requests[i].seq_id] for i in active]
+        cached = [st.kv_len for st in states]
+        try:
+            self._draft(requests, active, proposals, t0)
+        except Exception as e:  # noqa: BLE001 - bisect to the request(s) at fault
+            for i, st, kv_len in zip(active, states, cached):
+                st.kv_len, st.spec_tail = kv_len, []     # K/V below kv_len was not touched
+                proposals[i] = Proposal([], None)
+            if len(active) == 1:
+                self._forget(requests[active[0]], proposals, active[0], e)
+                return
+            half = len(active) // 2
+            self._draft_isolated(requests, active[:half], proposals, t0)
+            self._draft_isolated(requests, active[half:], proposals, t0)
+
+    def _draft(self, requests, active: list[int], proposals: list[Proposal], t0: float) -> None:
+        # Forward 1 feeds each sequence's uncached tail (usually 1-2 tokens); forwards 2..gamma
+        # feed the previous draft. A sequence drops out once it has its gamma drafts.
+        feed = {i: self._seqs[requests[i].seq_id].tokens[self._seqs[requests[i].seq_id].kv_len:]
+                for i in active}
+        catchup = sum(max(0, len(f) - 1) for f in feed.values())
+        self.num_catchup_tokens += catchup
+        step = 0
+        while active:
+            seq_ids = [requests[i].seq_id for i in active]
+            states = [self._seqs[s] for s in seq_ids]
+            num_new = [len(feed[i]) for i in active]
+            meta = self.model.prepare(self.kv, seq_ids, [st.kv_len for st in states], num_new)
+            input_ids = torch.tensor([t for i in active for t in feed[i]], dtype=torch.long,
+                                     device=self.device)
+            last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
+            logits = self.model(input_ids, meta, self.kv, last)
+            tokens, probs = self._draw(logits, [requests[i].params for i in active], states)
+            still: list[int] = []
+            for row, i in enumerate(active):
+                st = states[row]
+                st.kv_len += num_new[row]
+                if st.kv_len > len(st.tokens):
+                    st.spec_tail.append(feed[i][-1])
+                proposal = proposals[i]
+                proposal.tokens.append(tokens[row])
+                if probs is not None and not requests[i].params.greedy:
+                    proposal.probs = probs[row:row + 1] if proposal.probs is None else \
+                        torch.cat([proposal.probs, probs[row:row + 1]])
+                if len(proposal.tokens) < requests[i].gamma:
+                    feed[i] = [tokens[row]]
+                    still.append(i)
+            active = still
+            if step == 0:
+                self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
+            step += 1
+
+    def _sync(self, req: DraftRequest) -> _SeqState:
+        """Append newly committed tokens; keep only the cached drafts that were accepted."""
+        st = self._seqs.get(req.seq_id)
+        if st is not None and req.start == 0:     # sent again from the start: begin afresh
+            self.free(req.seq_id)
+            st = None
+        held = len(st.tokens) if st is not None else 0
+        if req.start != held:
+            raise Desynchronised(f"sequence {req.seq_id!r}: tokens from position {req.start}, "
+                                 f"the drafter holds {held}")
+        if st is None:
+            # Its own stream of draws, derived from the request's seed (wrapping at 2**64, the
+            # largest seed a generator takes) or from the drafter's seed source.
+            seed = (req.params.seed + 1) % 2**64 if req.params.seed is not None else \
+                int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(seed, self.device))
+        base = len(st.tokens)
+        matched = 0
+        for drafted, committed in zip(st.spec_tail, req.new_tokens):
+            if drafted != committed:
+                break
+            matched += 1
+        st.tokens.extend(req.new_tokens)
+        st.kv_len = min(st.kv_len, base + matched, len(st.tokens) - 1)
+        st.spec_tail = []
+        if base:   # a new sequence owns no blocks yet
+            self.kv.truncate(req.seq_id, st.kv_len)
+        return st
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], states: list[_SeqState]):
+        tokens = logits.argmax(dim=-1).tolist()
+        if all(p.greedy for p in params):
+            return tokens, None
+        probs = processed_probs(logits, params)
+        for row, (p, st) in enumerate(zip(params, states)):
+            if not p.greedy:
+                tokens[row] = int(torch.multinomial(probs[row], 1, generator=st.generator).item())
+        return tokens, probs

@@ -1,0 +1,285 @@
+"""Owns the engine's drafter: builds it (in-process or as a worker on its own device), keeps
+track of what each sequence has sent it, notices when it fails, degrades to plain decoding
+meanwhile, and brings a fresh drafter up in the background.
+
+Whatever the drafter does wrong (a worker that dies, hangs or answers out of turn; an
+in-process drafter that raises) is a failure of the drafter, never of the engine's step: the
+step goes on without drafts, and a replacement comes up after `drafter_restart_s`. A
+replacement starts in the memory state of the drafter it replaces: if the weights had been
+offloaded (their device memory lent to the target's KV pool), it starts offloaded too, so the
+pool and the drafter never both claim that memory.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from backend.batching.sequence import Sequence
+from backend.speculation.drafter import Drafter
+from backend.speculation.proposer import DraftRequest, Proposal, Proposer
+from backend.speculation.worker import RemoteDrafter, WorkerSpec
+
+log = logging.getLogger("nightdraft.drafter")
+
+
+class DrafterManager:
+    def __init__(self, config, *, vocab_size: int, kv_cache_bytes: int,
+                 max_rows: int, dtype: torch.dtype, cores: list[int] | None = None):
+        self.config = config
+        self.cores = cores
+        self.remote = config.drafter_device is not None
+        self._vocab_size = vocab_size
+        self._kv_cache_bytes = kv_cache_bytes
+        self._max_rows = max_rows
+        self._dtype = dtype
+        self.failures = 0
+        self.restarts = 0
+        self.request_failures = 0           # requests the drafter could not serve (isolated)
+        self.last_failure: str | None = None
+        self._failed_at: float | None = None
+        self._replacement: Proposer | None = None
+        self._restarting = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self.offloaded = False
+        self._reload = None                 # a future while weights travel back
+        self.last_reload_s = 0.0
+        # seq id -> how many of its tokens the drafter has been sent (its sync offset)
+        self._synced: dict[str, int] = {}
+        self.drafter: Proposer | None = self._build()
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _build(self, offloaded: bool = False):
+        cfg = self.config
+        if not self.remote:
+            return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
+                                kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
+                                seed=cfg.seed, offloaded=offloaded)
+        spec = WorkerSpec(path=cfg.drafter, device=cfg.drafter_device,
+                          dtype=str(self._dtype).removeprefix("torch."),
+                          kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
+                          seed=cfg.seed, cores=self.cores, probs_transport=cfg.drafter_probs_transport,
+                          start_offloaded=offloaded)
+        return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
+                             timeout_s=cfg.drafter_timeout_s)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Ready to propose: alive, weights on its device."""
+        return self.drafter is not None and not self.offloaded
+
+    @property
+    def state(self) -> str:
+        if self.drafter is None:
+            return "restarting" if self._restarting or self._replacement is not None else "failed"
+        if self._reload is not None:
+            return "reloading"
+        return "offloaded" if self.offloaded else "on_device"
+
+    def device_bytes(self) -> int:
+        """Bytes the drafter holds on its device now (weights + KV pool); 0 when offloaded."""
+        d = self.drafter
+        if d is None or self.offloaded:
+            return 0
+        return d.loaded_bytes()
+
+    @property
+    def colocated(self) -> bool:
+        """Does the drafter share the target's memory? Then offloading it can grow the target's
+        KV pool. In-process it does; a worker on another GPU does not; a CPU worker has cores of
+        its own but shares the host's RAM (one budget) with the target."""
+        dd, td = self.config.drafter_device, self.config.device
+        if dd is None or dd == td:
+            return True
+        return dd.startswith("cpu") and td.startswith("cpu")
+
+    def lag_tokens(self, seqs: list[Sequence]) -> int:
+        """Tokens of these sequences the drafter has not been sent yet (its catch-up work)."""
+        return sum(len(s) - self._synced.get(s.request_id, 0) for s in seqs)
+
+    # -- elastic memory --------------------------------------------------------------------------
+
+    def offload(self) -> int:
+        """Drafter weights to host memory and its KV pool released; bytes freed on its device."""
+        if self.drafter is None or self.offloaded:
+            return 0
+        try:
+            freed = self.drafter.offload()
+        except Exception as e:  # noqa: BLE001 - any failure of the drafter is the drafter's
+            self._failed(e)
+            return 0
+        self.offloaded = True
+        return freed
+
+    @property
+    def can_reload(self) -> bool:
+        """Offloaded, alive and not already on its way back."""
+        return self.drafter is not None and self.offloaded and self._reload is None
+
+    def start_reload(self) -> None:
+        """Bring the weights back without blocking decoding; `poll_reload` says when."""
+        if not self.can_reload:
+            return
+        try:
+            self._reload = self.drafter.reload_async()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
+    def poll_reload(self) -> float | None:
+        """Seconds the reload took, once it has just finished; None otherwise."""
+        if self._reload is None:
+            return None
+        try:
+            if not self._reload.done():
+                return None
+            seconds = self._reload.result()
+        except Exception as e:  # noqa: BLE001 - a failed reload is a failed drafter
+            self._failed(e)
+            return None
+        self._reload = None
+        self.offloaded = False
+        self.last_reload_s = seconds
+        return seconds
+
+    @property
+    def kv_usage(self) -> float:
+        return self.drafter.kv_usage() if self.drafter is not None else 0.0
+
+    @property
+    def last_catchup_s(self) -> float:
+        return self.drafter.last_catchup_s if self.drafter is not None else 0.0
+
+    @property
+    def last_propose_s(self) -> float:
+        return self.drafter.last_propose_s if self.drafter is not None else 0.0
+
+    @property
+    def catchup_tokens(self) -> int:
+        return self.drafter.num_catchup_tokens if self.drafter is not None else 0
+
+    def num_sequences(self) -> int:
+        return self.drafter.num_sequences() if self.drafter is not None else 0
+
+    def refresh_stats(self) -> None:
+        if self.drafter is not None:
+            try:
+                self.drafter.refresh_stats()
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
+
+    # -- the protocol, failure-tolerant ----------------------------------------------------------
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Proposal] | None:
+        """Drafts for (sequence, gamma) pairs, or None when the drafter is unavailable."""
+        return self.collect(self.propose_async(wanted))
+
+    def propose_async(self, wanted: list[tuple[Sequence, int]]):
+        if not self.available or not wanted:
+            return None
+        requests = [self._request(seq, gamma) for seq, gamma in wanted]
+        try:
+            return self.drafter.propose_async(requests)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
+
+    def _request(self, seq: Sequence, gamma: int) -> DraftRequest:
+        start = self._synced.get(seq.request_id, 0)
+        self._synced[seq.request_id] = len(seq)
+        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start)
+
+    def collect(self, pending) -> list[Proposal] | None:
+        if pending is None or self.drafter is None:
+            return None
+        try:
+            proposals = pending.result()
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
+        for req, p in zip(pending.requests, proposals):
+            if p.error is not None or p.resync:   # the drafter forgot it: resend it whole next time
+                self._synced.pop(req.seq_id, None)
+            if p.error is not None:
+                self.request_failures += 1
+                log.warning("drafter could not serve request %s (%s); it decodes without drafts",
+                            req.seq_id, p.error)
+        return proposals
+
+    def free(self, seq_id: str) -> None:
+        self._synced.pop(seq_id, None)
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.free(seq_id)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+
+    def _failed(self, error: Exception) -> None:
+        self.failures += 1
+        self.last_failure = f"{type(error).__name__}: {error}"
+        self._failed_at = time.monotonic()
+        log.error("drafter failed (%s); decoding without speculation until a new one is up",
+                  self.last_failure)
+        dead, self.drafter = self.drafter, None
+        if self._reload is not None:
+            # The target pool shrank back before the reload began: a replacement may load
+            # onto the device. Otherwise `offloaded` stays: that memory is still lent.
+            self.offloaded = False
+        self._reload = None
+        self._synced.clear()
+        if dead is not None:
+            try:
+                dead.close(timeout_s=1.0)
+            except Exception:  # noqa: BLE001 - it is already broken; nothing more to report
+                pass
+
+    def poll(self) -> bool:
+        """Called every step: start a replacement after a failure, swap it in once ready.
+        True when a new drafter just came in (it knows no sequences yet)."""
+        if self.drafter is not None:
+            return False
+        with self._lock:
+            ready, self._replacement = self._replacement, None
+        if ready is not None:
+            self.drafter = ready
+            self.restarts += 1
+            log.info("drafter restarted%s; speculation resumes%s",
+                     f" (pid {ready.pid})" if getattr(ready, "pid", None) else "",
+                     " once its weights are back" if self.offloaded else "")
+            return True
+        if (not self._restarting and self._failed_at is not None
+                and time.monotonic() - self._failed_at >= self.config.drafter_restart_s):
+            self._restarting = True
+            threading.Thread(target=self._restart, args=(self.offloaded,),
+                             name="nightdraft-drafter-restart", daemon=True).start()
+        return False
+
+    def _restart(self, offloaded: bool) -> None:
+        try:
+            fresh = self._build(offloaded=offloaded)
+            with self._lock:
+                if not self._closed:
+                    self._replacement, fresh = fresh, None
+            if fresh is not None:     # the engine closed meanwhile
+                fresh.close(timeout_s=1.0)
+        except Exception as e:  # noqa: BLE001 - a failed restart is retried later
+            log.error("drafter restart failed: %s", e)
+            self._failed_at = time.monotonic()
+        finally:
+            self._restarting = False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (and a replacement that came up meanwhile) within `timeout_s` each."""
+        with self._lock:
+            self._closed = True
+            spare, self._replacement = self._replacement, None
+        for d in (self.drafter, spare):
+            if d is not None:
+                d.close(timeout_s=timeout_s)
+        self.drafter = None

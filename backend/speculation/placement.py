@@ -1,0 +1,73 @@
+"""Where the drafter runs on a CPU host: cores of its own for the worker, the rest for the target.
+
+The plan is made before the target's process pins itself (a worker started later inherits its
+parent's affinity), and undone when the engine closes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def parse_cores(spec: str) -> list[int]:
+    """'1' -> [1]; '0,2' -> [0, 2]; '2-3' -> [2, 3]."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            cores += range(int(lo), int(hi) + 1)
+        elif part:
+            cores.append(int(part))
+    return cores
+
+
+def plan_cpu_placement(drafter_device: str) -> tuple[list[int], list[int]]:
+    """(drafter cores, target cores) for a `cpu` or `cpu:CORES` drafter device."""
+    available = sorted(os.sched_getaffinity(0))
+    if drafter_device == "cpu":
+        drafter = available[-1:]
+    else:
+        drafter = parse_cores(drafter_device.split(":", 1)[1])
+        missing = set(drafter) - set(available)
+        if missing:
+            raise ValueError(f"drafter_device {drafter_device!r}: cores {sorted(missing)} are not "
+                             f"available to this process (have {available})")
+    target = [c for c in available if c not in drafter] or available
+    return drafter, target
+
+
+class CpuPlacement:
+    """The target process pinned to its share of the cores; `drafter_cores` for the worker."""
+
+    def __init__(self, drafter_device: str, num_threads: int | None):
+        self.drafter_cores, target_cores = plan_cpu_placement(drafter_device)
+        self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
+        os.sched_setaffinity(0, target_cores)
+        if not num_threads:
+            torch.set_num_threads(len(target_cores))
+
+    @classmethod
+    def for_config(cls, drafter_device: str | None, num_threads: int | None) -> "CpuPlacement | None":
+        """A placement when the drafter is a worker on CPU cores; None otherwise."""
+        if drafter_device is None or not drafter_device.startswith("cpu"):
+            return None
+        return cls(drafter_device, num_threads)
+
+    def restore(self) -> None:
+        """Give the process its cores and thread count back (the engine is closing)."""
+        if self._saved is not None:
+            os.sched_setaffinity(0, self._saved[0])
+            torch.set_num_threads(self._saved[1])
+            self._saved = None
+
+
+def pin_worker(device: str, cores: list[int] | None) -> str:
+    """In the worker process: pin it to its cores (CPU) and return the torch device to use."""
+    if not device.startswith("cpu"):
+        return device
+    cores = cores or plan_cpu_placement(device)[0]
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    return "cpu"

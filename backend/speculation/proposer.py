@@ -1,0 +1,76 @@
+"""One interface for whatever proposes drafts: the in-process drafter and the drafter worker on
+its own device both implement :class:`Proposer`, so the manager and the strategies above them
+never ask which one they hold.
+
+The protocol is deliberately narrow so that a proposer can live in another process or on another
+device: each request carries, per sequence, only the tokens committed since its previous request
+and where they start; the proposer keeps its own copy of every sequence, and says so
+(``Proposal.resync``) when it lacks one, instead of drafting from a wrong context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from backend.sampling.params import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    seq_id: str
+    new_tokens: list[int]          # committed since this sequence's previous DraftRequest
+    gamma: int
+    params: SamplingParams
+    start: int = 0                 # position of new_tokens[0] in the sequence
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None     # [len(tokens), V] draft distributions; None for greedy requests
+    error: str | None = None       # the proposer could not serve this request (and forgot it)
+    resync: bool = False           # the proposer lacks this sequence's tokens: send them all again
+
+
+class Desynchronised(RuntimeError):
+    """A request's tokens do not continue what the proposer holds for that sequence."""
+
+
+class Pending(Protocol):
+    """Proposals on their way: ``result()`` blocks until they are here."""
+    requests: list[DraftRequest]
+
+    def result(self) -> list[Proposal]: ...
+
+
+class Done:
+    """Proposals computed in line: ``result()`` just returns them."""
+
+    def __init__(self, requests: list[DraftRequest], proposals: list[Proposal]):
+        self.requests = requests
+        self._proposals = proposals
+
+    def result(self) -> list[Proposal]:
+        return self._proposals
+
+
+class Proposer(Protocol):
+    last_propose_s: float          # time the last proposal took (on the proposer's device)
+    last_catchup_s: float          # of it, the catch-up forward for tokens it had not seen
+    num_catchup_tokens: int        # tokens re-fed to rebuild its KV cache (the switching cost)
+
+    def propose_async(self, requests: list[DraftRequest]) -> Pending: ...
+    def free(self, seq_id: str) -> None: ...
+    def num_sequences(self) -> int: ...
+    def kv_usage(self) -> float: ...
+    def refresh_stats(self) -> None: ...
+    def loaded_bytes(self) -> int:
+        """Bytes it holds on its device with its weights there (weights + KV pool)."""
+    def offload(self) -> int:
+        """Weights to host memory, KV pool released; returns the bytes freed on its device."""
+    def reload_async(self):
+        """Weights back; a future whose ``done()`` never blocks and ``result()`` is the seconds
+        the reload took."""
+    def close(self, timeout_s: float = 5.0) -> None: ...

@@ -1,0 +1,80 @@
+"""The drafter's acceptance as the planner measures it, and the cost model's prior for the bandit.
+
+* :class:`AcceptanceEstimate` — an EWMA, per gamma, of the tokens a sequential SD step commits per
+  sequence; inverting ``E(alpha, gamma)`` (:func:`~planner.cost_model.expected_tokens_per_call`)
+  gives the per-position acceptance alpha, averaged over the gammas seen (``alpha_prior`` until
+  an SD step is seen; recomputed at most every 64 SD observations).
+* :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted
+  per-token latency at a context's reference batch, at the estimated alpha: the bandit's warm
+  start (only its ordering of the arms has to be right; the bandit calibrates its scale).
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+from planner.contexts import ContextBins
+from planner.cost_model import CostProfile, expected_tokens_per_call, predict
+from planner.step_costs import ewma
+
+
+class AcceptanceEstimate:
+    def __init__(self, alpha_prior: float = 0.6):
+        self.alpha_prior = alpha_prior
+        self._e_hat: dict[int, float] = {}      # tokens per sequence per SD step, per gamma
+        self._cache: tuple[float, int] = (alpha_prior, -1)
+        self.sd_obs = 0
+
+    def observe_sd(self, gamma: int, tokens_committed: int, batch_size: int) -> None:
+        """One sequential SD step with `gamma` that advanced `batch_size` sequences."""
+        self._e_hat[gamma] = ewma(self._e_hat.get(gamma), tokens_committed / batch_size, 0.05)
+        self.sd_obs += 1
+
+    def alpha(self) -> float:
+        alpha, at = self._cache
+        if at >= 0 and self.sd_obs - at < 64:
+            return alpha
+        alpha = self._alpha_uncached()
+        self._cache = (alpha, self.sd_obs)
+        return alpha
+
+    def _alpha_uncached(self) -> float:
+        if not self._e_hat:
+            return self.alpha_prior
+        vals = []
+        for g, e in self._e_hat.items():
+            e = min(max(e, 1.0), g + 1.0)
+            lo, hi = 0.0, 1.0
+            for _ in range(30):
+                mid = 0.5 * (lo + hi)
+                if expected_tokens_per_call(mid, g) < e:
+                    lo = mid
+                else:
+                    hi = mid
+            vals.append(0.5 * (lo + hi))
+        return min(max(sum(vals) / len(vals), 0.01), 0.99)
+
+
+class CostModelPrior:
+    """``prior(ctx, arm)``: predicted per-token latency of `arm` at the context's reference batch."""
+
+    def __init__(self, profile: CostProfile, acceptance: AcceptanceEstimate, bins: ContextBins):
+        self._profile = profile
+        self._acceptance = acceptance
+        self._bins = bins
+        self._cache: dict = {}
+
+    def __call__(self, ctx: Hashable, arm: tuple[str, int]) -> float:
+        alpha = round(self._acceptance.alpha(), 2)
+        key = (ctx, arm, alpha)
+        v = self._cache.get(key)
+        if v is None:
+            b = max(int(round(self._bins.ref_batch(ctx, 1.0))), 1)
+            try:
+                p = predict(arm[0], b, arm[1], alpha, self._profile)
+                v = 1.0 / p.tokens_per_s if p.tokens_per_s > 0 else float("nan")
+            except ValueError:
+                v = float("nan")
+            if len(self._cache) > 50_000:
+                self._cache.clear()
+            self._cache[key] = v
+        return v

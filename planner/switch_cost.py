@@ -1,0 +1,86 @@
+"""What turning the drafter back on costs, measured.
+
+When the drafter comes back after a gamma = 0 period the engine reports the catch-up prefill
+time (``drafter_rebuild_s``) and, if its weights had been offloaded, the reload time
+(``drafter_reload_s``). :class:`SwitchCost` keeps running averages (weight ``cost_ewma``) of the
+rebuild time per token the drafter missed and of the reload time, and prices a turn-on now as
+``rebuild_per_token * lag + reload_weight * reload (if offloaded)`` seconds. The lag is
+``LoadSignals.drafter_lag_tokens`` when the engine reports it, else the tokens committed while
+the drafter was off, at most ``batch x lag_cap_steps`` (sequences that finished meanwhile need
+no catch-up; a sequence rarely runs longer than the cap). Before the first measurement the
+rebuild estimate is the configured ``rebuild_s_per_token``, else the cost profile's drafter
+time per token at its largest measured batch (an upper bound of a prefill's per-token cost),
+else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
+"""
+from __future__ import annotations
+
+from planner.config import PlannerConfig
+from planner.cost_model import CostProfile
+from planner.step_costs import ewma
+
+
+def initial_rebuild_per_token(cfg: PlannerConfig, profile: CostProfile | None) -> float | None:
+    if cfg.rebuild_s_per_token is not None or profile is None or not profile.draft:
+        return cfg.rebuild_s_per_token
+    bmax = max(profile.draft)
+    return profile.t_draft(bmax) / bmax
+
+
+class SwitchCost:
+    def __init__(self, cfg: PlannerConfig, profile: CostProfile | None = None):
+        self.rebuild_s_per_token: float | None = initial_rebuild_per_token(cfg, profile)
+        self.reload_s: float | None = cfg.reload_s
+        self.rebuild_samples = 0
+        self.reload_samples = 0
+        self.engine_lag: int | None = None     # the engine's own count, once it reports one
+        self._cfg = cfg
+        self._lag_tokens = 0                   # tokens committed while the drafter was off
+        self._off_steps = 0                    # ar steps since the drafter last drafted
+        self._lag_at_turn_on: int | None = None
+
+    def lag_tokens(self) -> int:
+        """Tokens the drafter would have to catch up on if turned on now."""
+        if self.engine_lag is not None:
+            return self.engine_lag
+        per_step = self._lag_tokens / max(self._off_steps, 1)
+        return int(min(self._lag_tokens, per_step * min(self._off_steps, self._cfg.lag_cap_steps)))
+
+    def estimate_s(self, offloaded: bool) -> float:
+        """Seconds a drafter turn-on would cost now (catch-up + reload if offloaded)."""
+        c = (self.rebuild_s_per_token or 0.0) * self.lag_tokens()
+        if offloaded:
+            c += self._cfg.reload_weight * (self.reload_s or 0.0)
+        return c
+
+    def turned_on(self) -> None:
+        """Speculation was chosen after plain decoding: the lag its catch-up will be for."""
+        self._lag_at_turn_on = self.lag_tokens()
+
+    def observe_off(self, tokens_committed: int) -> None:
+        """A plain-decoding step: the drafter falls behind by the tokens it committed."""
+        self._lag_tokens += int(tokens_committed)
+        self._off_steps += 1
+
+    def observe_on(self, rebuild_s: float) -> None:
+        """A speculative step, with the catch-up it began with (0: none)."""
+        if rebuild_s > 0:
+            lag = self._lag_at_turn_on if self._lag_at_turn_on is not None else self.lag_tokens()
+            if lag and lag > 0:
+                self.rebuild_s_per_token = (
+                    rebuild_s / lag if self.rebuild_samples == 0
+                    else ewma(self.rebuild_s_per_token, rebuild_s / lag, self._cfg.cost_ewma))
+                self.rebuild_samples += 1
+        self._lag_tokens = 0
+        self._off_steps = 0
+        self._lag_at_turn_on = None
+
+    def observe_reload(self, reload_s: float) -> None:
+        self.reload_s = (reload_s if self.reload_samples == 0
+                         else ewma(self.reload_s, reload_s, self._cfg.cost_ewma))
+        self.reload_samples += 1
+
+    def summary(self, offloaded: bool) -> dict:
+        return {"rebuild_s_per_token": self.rebuild_s_per_token, "reload_s": self.reload_s,
+                "rebuild_samples": self.rebuild_samples, "reload_samples": self.reload_samples,
+                "lag_tokens": self.lag_tokens(), "turn_on_cost_s_now": self.estimate_s(offloaded),
+                "drafter_offloaded": offloaded}
