@@ -5,7 +5,8 @@ import argparse
 import logging
 import sys
 
-from client import bench_compare, bench_dynamic, bench_offline, bench_serve, bench_vllm, launcher, triton_client
+from client import (bench_compare, bench_dynamic, bench_offline, bench_profile, bench_serve, bench_vllm,
+                    launcher, triton_client)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_dynamic.add_dynamic_parser(bench_sub)
     bench_serve.add_bench_serve_parser(bench_sub)
     bench_vllm.add_vllm_parser(bench_sub)
+    bench_profile.add_profile_parser(bench_sub)
     return parser
 
 

@@ -51,6 +51,9 @@ class EngineConfig:
                                                 # {"offload_after_steps": 50, "kv_pressure": 0.9}
     seed: int = 0
     num_threads: int | None = None              # torch intra-op threads for this process
+    # CPU linear kernels: "auto" measures MKL against prepacked oneDNN per row count (once,
+    # cached) and uses the faster; "mkl" keeps F.linear everywhere.
+    linear_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -84,6 +87,7 @@ class EngineConfig:
         need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
+        need(self.linear_kernels in ("auto", "mkl"), "linear_kernels: 'auto' or 'mkl'")
         need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
              "max_prompt_bytes: must be a positive integer")
         need(_is_int(self.max_waiting) and self.max_waiting >= 1, "max_waiting: must be an integer >= 1")

@@ -35,6 +35,7 @@ from backend.engine.outputs import EngineStats, RequestOutput, StepStats
 from backend.engine.verify import decide
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import PagedKVCache
+from backend.model.linear import pack_linears
 from backend.model.loader import load_model
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
@@ -63,6 +64,8 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
 
         self.target = load_model(config.target, device=config.device, dtype=self.dtype)
+        if config.linear_kernels == "auto":
+            pack_linears(self.target)
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.target, eos_token_ids=mc.eos_token_ids)
         self.kv = PagedKVCache.for_model(mc, config.kv_cache_bytes, block_size=config.block_size,
@@ -220,7 +223,7 @@ class Engine:
             self.intake.started([s.seq.request_id for s in batch])
         if not batch:
             return outputs + self._fail_unfittable()
-        step = StepStats(gamma=self.gamma, batch_size=len(batch))
+        step = StepStats(gamma=self.gamma, batch_size=len(batch), t_schedule_s=time.perf_counter() - t0)
         strategy.propose(batch, step)
         with strategy.overlap(step):
             t1 = time.perf_counter()
@@ -270,9 +273,7 @@ class Engine:
         """Forward, verify and commit `batch`. A forward that raises is retried on each half,
         down to the single request(s) that fail alone: they finish with an error."""
         try:
-            t0 = time.perf_counter()
             logits, rows = self._forward(batch, step)
-            step.t_forward_s += time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - isolate the request(s) at fault
             if len(batch) == 1:
                 log.error("request %s: the target forward failed: %s", batch[0].seq.request_id, e)
@@ -281,11 +282,17 @@ class Engine:
                         len(batch), type(e).__name__, e)
             half = len(batch) // 2
             return self._run(batch[:half], step) + self._run(batch[half:], step)
+        t0 = time.perf_counter()
         decisions = decide(batch, rows, logits, self.tokenizer.eos_token_ids)
-        return [out for s, d in zip(batch, decisions) if (out := self._commit(s, d, step)) is not None]
+        t1 = time.perf_counter()
+        outputs = [out for s, d in zip(batch, decisions) if (out := self._commit(s, d, step)) is not None]
+        step.t_decide_s += t1 - t0
+        step.t_commit_s += time.perf_counter() - t1
+        return outputs
 
     def _forward(self, batch: list[ScheduledSeq], step: StepStats):
         """One forward over every scheduled sequence; logits only where tokens are decided."""
+        t0 = time.perf_counter()
         input_ids: list[int] = []
         num_new: list[int] = []
         rows: list[tuple[int, int]] = []     # per scheduled seq: (first logits row, row count)
@@ -307,9 +314,12 @@ class Engine:
                                    [s.seq.num_computed for s in batch], num_new)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        t1 = time.perf_counter()
         logits = self.target(ids, meta, self.kv, idx)
         if logits.is_cuda:       # the forward is asynchronous there; time it, not its launch
             torch.cuda.current_stream(self.device).synchronize()
+        step.t_prepare_s += t1 - t0
+        step.t_forward_s += time.perf_counter() - t1
         step.num_forward_tokens += len(input_ids)
         return logits, rows
 

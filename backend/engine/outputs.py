@@ -36,9 +36,15 @@ class StepStats:
     drafted: int = 0
     accepted: int = 0
     target_calls: int = 0
-    t_draft_s: float = 0.0
+    # Where the step's time went (t_verify_s spans prepare + forward + decide + commit):
+    t_schedule_s: float = 0.0         # admission, the planner, scheduling
+    t_draft_s: float = 0.0            # drafting in line (PSD: the worker's time, overlapped)
+    t_transport_s: float = 0.0        # PSD: handing the other sub-batch to the worker and back
     t_verify_s: float = 0.0
-    t_forward_s: float = 0.0          # the target's forward alone (inside t_verify_s)
+    t_prepare_s: float = 0.0          # the forward's attention metadata and input tensors
+    t_forward_s: float = 0.0          # the target's forward alone
+    t_decide_s: float = 0.0           # sampling and verification of drafts
+    t_commit_s: float = 0.0           # appending tokens, stop rules, detokenizing, outputs
     t_step_s: float = 0.0
     t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
                                       # handling of the outputs included); t_step_s after idling

@@ -25,8 +25,8 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
     if not logits.numel():
         return [None] * len(batch)
     # Rows the model made non-finite fail their request (checked before masking, which writes
-    # -inf on purpose).
-    finite = torch.isfinite(logits).all(dim=-1)
+    # -inf on purpose). A row's sum is inf or NaN when any entry is: one reduction.
+    finite = torch.isfinite(logits.sum(dim=-1))
     finite = finite.tolist() if not bool(finite.all()) else None
     _mask_banned(batch, rows, logits, eos_token_ids)
     argmax = logits.argmax(dim=-1).tolist()

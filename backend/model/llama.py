@@ -19,6 +19,7 @@ from torch import nn
 
 from backend.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from backend.model.kv_cache import PagedKVCache
+from backend.model.linear import Linear, linear
 from backend.model.config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -31,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:     # one fused op (the same arithmetic)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32, scale in the model dtype (as the reference implementations do).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -99,17 +102,24 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_table(config: ModelConfig) -> torch.Tensor:
-    """``[max_position_embeddings, head_dim]`` float32: cos in the first half, sin in the second."""
+    """``[max_position_embeddings, head_dim // 2, 2]`` float32: (cos, sin) per frequency."""
     inv_freq, scale = rope_inv_freq(config)
     t = torch.arange(config.max_position_embeddings, device="cpu").float()
     freqs = t[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+    return torch.stack((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` (rotate-half convention); cos/sin ``[T, 1, head_dim/2]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]``, whose dims come in pairs (the loader interleaves
+    HF's rotate-half halves), by ``rot`` ``[T, 1, head_dim/2, 2]`` (cos, sin): one complex
+    multiply in float32, the same arithmetic as rotate-half."""
+    T, H, d = x.shape
+    pairs = x.view(T, H, d // 2, 2)
+    if x.dtype == torch.float32:
+        return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rot)).view(T, H, d)
+    a, b = pairs.unbind(-1)
+    cos, sin = rot.unbind(-1)
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).view(T, H, d)
 
 
 class Attention(nn.Module):
@@ -121,37 +131,37 @@ class Attention(nn.Module):
         self.head_dim = d = config.head_dim
         self.scale = d**-0.5
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * d
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, bias=config.attention_bias)
         # Llama and Qwen3 put a bias on o_proj too when attention_bias is set; Qwen2 never does.
         o_bias = config.attention_bias and config.architecture != "qwen2"
-        self.o_proj = nn.Linear(config.num_heads * d, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(config.num_heads * d, config.hidden_size, bias=o_bias)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+    def forward(self, x, rot, meta, k_cache, v_cache):
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         qk = qkv[:, : (h + kvh) * d].view(T, h + kvh, d)
         v = qkv[:, (h + kvh) * d :].view(T, kvh, d)
         if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
+            qk = torch.cat((self.q_norm.forward(qk[:, :h]), self.k_norm.forward(qk[:, h:])), dim=1)
+        qk = apply_rope(qk, rot)  # q and k heads rotated together
         out = self.backend.attend(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(T, h * d))
+        return self.o_proj.forward(out.reshape(T, h * d))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -162,9 +172,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rot, meta, k_cache, v_cache):
+        # Submodules' forward() called directly: nn.Module.__call__ costs a few microseconds,
+        # paid about a hundred times per forward of a small model.
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rot, meta, k_cache, v_cache)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class CausalLM(nn.Module):
@@ -179,10 +191,11 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        # cos|sin for every position, computed once. Not persistent: derived from the config. It is
-        # cast along with the model, as the reference casts cos/sin to the model dtype before use.
+        # (cos, sin) for every position, computed once. Not persistent: derived from the config.
+        # Kept in float32 (the complex multiply needs it); cast per forward for other dtypes, as
+        # the reference casts cos/sin to the model dtype before use.
         self.register_buffer("rope_cache", rope_table(config), persistent=False)
 
     def prepare(self, kv_cache: PagedKVCache, seq_ids: list, num_cached: list[int],
@@ -200,11 +213,14 @@ class CausalLM(nn.Module):
         """Logits ``[N, vocab]`` (float32) for the flat tokens ``input_ids`` ``[T]``, at
         ``logits_indices`` ``[N]`` (None: all T tokens)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope_cache[meta.positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
+        rot = self.rope_cache[meta.positions].unsqueeze(1)
+        if x.dtype != torch.float32:
+            rot = rot.to(x.dtype)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
+            x = layer.forward(x, rot, meta, k_cache, v_cache)
         if logits_indices is not None:
             x = x[logits_indices]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), weight).float()
+        x = self.norm.forward(x)
+        logits = linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head.forward(x)
+        return logits if logits.dtype == torch.float32 else logits.float()

@@ -95,8 +95,18 @@ def _read_checkpoint(path: Path, config: ModelConfig, device, dtype) -> dict[str
     return tensors
 
 
+def _interleave_rope_dims(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output dims from HF's rotate-half halves [x1 | x2] to pairs
+    (x1[i], x2[i]), so rotary embedding is one complex multiply (see backend.model.llama). q and
+    k are reordered alike, so their dot products, and so attention, do not change."""
+    half = head_dim // 2
+    order = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+    return t.view(heads, head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+
+
 def _to_model_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to :class:`CausalLM` names, fusing q/k/v and gate/up."""
+    """Rename HF tensors to :class:`CausalLM` names, fusing q/k/v and gate/up, and reorder q/k
+    dims for the model's rotary embedding."""
     state = {
         "embed_tokens.weight": hf.pop("model.embed_tokens.weight"),
         "norm.weight": hf.pop("model.norm.weight"),
@@ -106,9 +116,16 @@ def _to_model_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
+        d = config.head_dim
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
-            parts = [hf.pop(f"{attn}{p}_proj.{kind}") for p in "qkv"]
-            state[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+            q, k, v = (hf.pop(f"{attn}{p}_proj.{kind}") for p in "qkv")
+            q = _interleave_rope_dims(q, config.num_heads, d)
+            k = _interleave_rope_dims(k, config.num_kv_heads, d)
+            state[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v], dim=0)
+        if config.qk_norm:   # per-dim norm weights follow the dims they scale
+            for norm in ("q_norm", "k_norm"):
+                name = f"{attn}{norm}.weight"
+                state[f"{dst}self_attn.{norm}.weight"] = _interleave_rope_dims(hf.pop(name), 1, d)
         state[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(
             [hf.pop(src + "mlp.gate_proj.weight"), hf.pop(src + "mlp.up_proj.weight")], dim=0
         )

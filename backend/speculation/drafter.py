@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.model.kv_cache import PagedKVCache
+from backend.model.linear import drop_packed, pack_linears
 from backend.model.loader import load_model
 from backend.model.llama import CausalLM
 from backend.sampling.sampler import make_generator, processed_probs
@@ -48,20 +49,26 @@ class Drafter:
         self._seqs: dict[str, _SeqState] = {}
         self._seed_source = make_generator(seed)
         self._host_weights: dict[str, torch.Tensor] | None = None
+        self._pack = False                 # re-pack the linear layers after a reload
         self.last_propose_s = 0.0
         self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
         self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
 
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
-             block_size: int, seed: int = 0, offloaded: bool = False) -> "Drafter":
+             block_size: int, seed: int = 0, offloaded: bool = False, pack: bool = True) -> "Drafter":
         """`offloaded`: start with the weights in host memory and no KV pool, as a drafter that
-        replaces an offloaded one must (its device memory is lent to the target's KV cache)."""
+        replaces an offloaded one must (its device memory is lent to the target's KV cache).
+        `pack`: let the CPU linear layers pick their faster kernel (backend.model.linear)."""
         if not offloaded:
             model = load_model(path, device=device, dtype=dtype)
             kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
                                         dtype=dtype, device=device)
-            return cls(model, kv, seed=seed)
+            drafter = cls(model, kv, seed=seed)
+            drafter._pack = pack
+            if pack:
+                pack_linears(model)
+            return drafter
         model = load_model(path, device="cpu", dtype=dtype)
         for module in model.modules():      # buffers (rope table) live on the device regardless
             for name, buf in module.named_buffers(recurse=False):
@@ -71,6 +78,7 @@ class Drafter:
                                     dtype=dtype, device="meta")
         drafter = cls(model, kv, seed=seed)
         drafter.device = torch.device(device)
+        drafter._pack = pack
         drafter.offload()
         return drafter
 
@@ -110,6 +118,7 @@ class Drafter:
         if self.offloaded:
             return 0
         freed = self.loaded_bytes()
+        drop_packed(self.model)           # packed copies would pin the old weights
         pin = self.device.type == "cuda"
         self._host_weights = {}
         for name, p in self.model.named_parameters():
@@ -134,6 +143,8 @@ class Drafter:
         if stream is not None:
             stream.synchronize()
         self._host_weights = None
+        if self._pack:
+            pack_linears(self.model)
         self.kv = PagedKVCache.for_model(self.model.config, self.kv_bytes(),
                                          block_size=self._block_size, dtype=self._kv_dtype,
                                          device=self.device)

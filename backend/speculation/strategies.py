@@ -130,12 +130,16 @@ class BatchParallelSD(SequentialSD):
     def overlap(self, step) -> Iterator[None]:
         """The other sub-batch is drafted while the body (the target's forward) runs. Its
         proposal is collected whatever the body does, so the drafter's protocol stays in step."""
+        t0 = time.perf_counter()
         in_flight = self._start_drafting()
+        step.t_transport_s += time.perf_counter() - t0
         try:
             yield
         finally:
             if in_flight is not None:
+                t0 = time.perf_counter()
                 self._finish_drafting(*in_flight, step)
+                step.t_transport_s += time.perf_counter() - t0
         self.sub_batches.end_step()
 
     def _start_drafting(self):

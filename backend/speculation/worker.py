@@ -51,6 +51,7 @@ class WorkerSpec:
                                      # pinned itself (a child inherits its parent's affinity)
     probs_transport: str | None = None   # "shared_buffer" | "tensor"; None: by device (see above)
     start_offloaded: bool = False    # weights in host memory from the start (see Drafter.load)
+    pack_linears: bool = True        # CPU linear layers pick their faster kernel
 
     @property
     def transport(self) -> str:
@@ -67,7 +68,8 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
     device = pin_worker(spec.device, spec.cores)
     dtype = getattr(torch, spec.dtype)
     drafter = Drafter.load(spec.path, device=device, dtype=dtype, kv_cache_bytes=spec.kv_cache_bytes,
-                           block_size=spec.block_size, seed=spec.seed, offloaded=spec.start_offloaded)
+                           block_size=spec.block_size, seed=spec.seed, offloaded=spec.start_offloaded,
+                           pack=spec.pack_linears)
     conn.send(("ready", {"pid": os.getpid(), "loaded_bytes": drafter.loaded_bytes()}))
     capacity = probs_buffer.shape[0] if probs_buffer is not None else 0
     while True:

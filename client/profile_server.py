@@ -1,0 +1,69 @@
+"""`nightdraft bench profile --server`: the same load through a real tritonserver.
+
+For each configuration a server runs the same engine configuration (same checkpoints, one
+thread per model, the drafter's placement unchanged); the benchmark drives it with gRPC streams
+from this process, closed loop at each concurrency, and reads the model's own counters before and
+after: engine steps and generated tokens. Beside the in-process run of the same configuration
+and concurrency it reports the throughput ratio and the time per engine step, whose difference
+is what serving costs a step (building and sending one response per request, the stub's IPC,
+tritonserver and the clients on the same cores).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from client.bench_serve import scrape_metrics
+from client.dynamic_server import MODEL, serving
+
+
+def engine_config(args, name: str) -> dict:
+    cfg = dict(target=args.target, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20,
+               max_num_seqs=128, num_threads=args.threads or 1, seed=0, mode=name)
+    if name != "ar":
+        cfg |= {"drafter": args.drafter, "gamma": args.gamma}
+    if name == "psd":
+        cfg["drafter_device"] = "cpu"
+    return cfg
+
+
+def _drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
+    def one(p: str) -> int:
+        n = 0
+        for chunk in client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True):
+            n += len(chunk.token_ids) if getattr(chunk, "token_ids", None) else 0
+        return n
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=conc) as pool:
+        list(pool.map(one, prompts))
+    return time.perf_counter() - t0, len(prompts) * args.max_tokens
+
+
+def profile_on_server(args, names: list[str], levels: list[int], prompts: list[str],
+                      in_process: list[dict]) -> list[dict]:
+    rows = []
+    for name in names:
+        print(f"profiling {name} through tritonserver ...", file=sys.stderr)
+        with serving(engine_config(args, name), prompts[:2], args.temperature) as served:
+            for conc in levels:
+                n = max(4, int(conc * args.requests_per_level))
+                before = scrape_metrics(served.metrics_url, MODEL)
+                wall, tokens = _drive(served.client, prompts[:n], conc, args)
+                time.sleep(0.5)        # the engine-wide counters are refreshed when it goes idle
+                after = scrape_metrics(served.metrics_url, MODEL)
+                steps = after.get("nightdraft_engine_steps_total", 0) - before.get("nightdraft_engine_steps_total", 0)
+                made = after.get("nightdraft_generation_tokens_total", 0) - \
+                    before.get("nightdraft_generation_tokens_total", 0)
+                local = next((r for r in in_process if r["config"] == name and r["concurrency"] == conc
+                              and not r.get("server")), {})
+                row = {"config": name, "concurrency": conc, "server": True,
+                       "tokens_per_s": (made or tokens) / wall,
+                       "mean_step_ms": 1e3 * wall / steps if steps else None}
+                if local.get("tokens_per_s"):
+                    row["over_in_process"] = row["tokens_per_s"] / local["tokens_per_s"]
+                rows.append(row)
+                print(f"{name:>4} (server) c={conc:>3}: {row['tokens_per_s']:.0f} tok/s"
+                      + (f" = {row['over_in_process']:.2f}x in-process" if "over_in_process" in row else ""),
+                      flush=True)
+    return rows

@@ -1,0 +1,72 @@
+"""The profile and what it stands on: the linear kernels' choice and the forward's floor."""
+import json
+
+import pytest
+import torch
+
+from backend.model.floor import forward_floor
+from backend.model.linear import ROW_LADDER, Linear, drop_packed, pack_linears, packing_supported
+from backend.model.loader import load_model
+from model_factory import TINY_DRAFTER
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return load_model(TINY_DRAFTER, device="cpu", dtype=torch.float32)
+
+
+def test_both_kernels_compute_the_same_linear(drafter, tmp_path, monkeypatch):
+    if not packing_supported(drafter.layers[0].mlp.down_proj.weight):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lin = drafter.layers[0].mlp.down_proj
+    x = torch.randn(5, lin.in_features)
+    with torch.inference_mode():
+        plain = lin(x)
+        verdict = pack_linears(drafter)
+        assert set(verdict) == set(ROW_LADDER) and set(verdict.values()) <= {"packed", "mkl"}
+        if lin.packed is not None:
+            lin._use_packed = (True,) * len(ROW_LADDER)      # force the packed kernel
+            assert torch.allclose(lin(x), plain, atol=1e-5, rtol=1e-5)
+    cached = list((tmp_path / "nightdraft" / "kernels").glob("*.json"))
+    assert len(cached) == 1 and len(json.loads(cached[0].read_text())) == len(ROW_LADDER)
+    drop_packed(drafter)
+    assert all(m.packed is None for m in drafter.modules() if isinstance(m, Linear))
+
+
+def test_the_floor_is_below_a_real_forward(drafter):
+    from backend.model.kv_cache import PagedKVCache
+    kv = PagedKVCache.for_model(drafter.config, 1 << 20, block_size=16)
+    assert kv.ensure_capacity("s", 40)
+    floor = forward_floor(drafter, rows=8)
+    import time
+    with torch.inference_mode():
+        ids = torch.randint(0, drafter.config.vocab_size, (8,))
+        times = []
+        for _ in range(5):
+            meta = drafter.prepare(kv, ["s"], [32], [8])
+            t0 = time.perf_counter()
+            drafter(ids, meta, kv)
+            times.append(time.perf_counter() - t0)
+    assert 0 < floor < min(times), "the matmuls alone took longer than the whole forward"
+
+
+@pytest.mark.slow
+def test_bench_profile_reports_every_phase_beside_its_floor(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "client.cli", "bench", "profile", "--configs", "ar,sd", "--concurrency", "1,4",
+           "--max-tokens", "12", "--requests-per-level", "2", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["config"], r["concurrency"]) for r in rows} == {("ar", 1), ("ar", 4), ("sd", 1), ("sd", 4)}
+    for r in rows:
+        assert r["steady_steps"] > 0 and r["target_floor_ms"] > 0
+        assert r["step_over_floor"] > 1.0, "a step faster than its matmuls: the floor is wrong"
+        assert set(r["phases_ms"]) == {"schedule", "draft", "prepare", "forward", "verify", "commit", "other"}
+        assert abs(sum(r["phases_ms"].values()) - r["step_ms"]) < 0.25 * r["step_ms"]
+    assert all(r["drafter_step_over_floor"] > 1.0 for r in rows if r["config"] == "sd")
+    assert out.with_suffix(".png").is_file()
+    assert "| ar | 1 |" in res.stdout
