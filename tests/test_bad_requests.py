@@ -88,7 +88,7 @@ CATALOGUE = {
     "stream not a boolean": ([HI, sp({"stream": "yes"})], "stream must be a boolean, got 'yes'"),
     "streaming with the prompt": ([HI, ("stream", np.array([True]), "BOOL"),
                                    ("exclude_input_in_output", np.array([False]), "BOOL")],
-                                  "exclude_input_in_output = false is not supported"),
+                                  "When streaming, `exclude_input_in_output` = False is not allowed."),
 }
 
 

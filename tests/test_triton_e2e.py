@@ -345,7 +345,7 @@ BAD_INPUTS = {   # each with the words of its own reason, not words any refusal 
                                        "tokens; the context holds"),
     "streaming with the prompt": ([("text_input", b"hi", "BYTES"), ("stream", True, "BOOL"),
                                    ("exclude_input_in_output", False, "BOOL")],
-                                  "exclude_input_in_output = false is not supported"),
+                                  "When streaming, `exclude_input_in_output` = False is not allowed."),
 }
 
 

@@ -40,6 +40,7 @@ class Sequence:
     stop_text_at: int | None = None    # where a stop string begins in the text (it is cut there)
     spec_disabled: bool = False        # the drafter could not serve this request: decode plainly
     prompt_bytes: int = 0              # size of the prompt text (queue budget)
+    cumulative_logprob: float = 0.0    # of the tokens generated so far (when it asks for logprobs)
 
     @property
     def speculates(self) -> bool:

@@ -11,7 +11,7 @@ are held back: they may turn out to be the start of a stop string.
 from __future__ import annotations
 
 from backend.batching.sequence import Sequence
-from backend.engine.outputs import RequestOutput
+from backend.engine.outputs import RequestOutput, TokenLogprob
 
 
 def commit_tokens(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ...],
@@ -69,7 +69,8 @@ def visible_end(seq: Sequence) -> int:
     return max(seq.emitted_text_len, text_len - hold)
 
 
-def output_of(seq: Sequence, new_ids: list[int], error: str | None = None) -> RequestOutput:
+def output_of(seq: Sequence, new_ids: list[int], error: str | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
     """The step's news for one request: its new tokens and the text it may see now."""
     if seq.is_finished:
         seq.detokenizer.push([], final=True)
@@ -81,6 +82,8 @@ def output_of(seq: Sequence, new_ids: list[int], error: str | None = None) -> Re
         finished=seq.is_finished, finish_reason=seq.finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
         num_drafted=seq.drafted, num_accepted=seq.accepted, error=error,
+        logprobs=logprobs if seq.params.logprobs is not None else None,
+        cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
         **({"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
             "finish_time": seq.finish_time} if seq.is_finished else {}),
     )

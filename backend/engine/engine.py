@@ -338,7 +338,8 @@ class Engine:
             return self._fail(seq, f"sampling failed: {type(decided).__name__}: {decided}")
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        committed, reason = commit_tokens(seq, decided, self.tokenizer.eos_token_ids, self.max_model_len)
+        tokens = decided.tokens
+        committed, reason = commit_tokens(seq, tokens, self.tokenizer.eos_token_ids, self.max_model_len)
         # K/V of rejected drafts (and of the last token, the next input) is not kept.
         seq.num_computed = len(seq) - 1
         if reason:
@@ -346,17 +347,28 @@ class Engine:
         else:
             self.kv.truncate(seq.request_id, seq.num_computed)
         if s.gamma:
-            accepted = len(decided) - 1
-            seq.drafted += s.gamma
-            seq.accepted += accepted
-            step.drafted += s.gamma
-            step.accepted += accepted
+            self._count_drafts(seq, s.gamma, len(tokens) - 1, step)
         if s.num_new == 1:            # a decode/verify call (prefill's first token excluded)
             step.target_calls += 1
             self._stats.target_calls += 1
-            self._stats.decode_tokens += len(decided)
-        step.tokens_committed += len(decided)
-        return output_of(seq, committed)
+            self._stats.decode_tokens += len(tokens)
+        step.tokens_committed += len(tokens)
+        logprobs = decided.logprobs[:len(committed)] if decided.logprobs is not None else None
+        if logprobs is not None:
+            seq.cumulative_logprob += sum(t.logprob for t in logprobs)
+        return output_of(seq, committed, logprobs=logprobs)
+
+    def _count_drafts(self, seq: Sequence, drafted: int, accepted: int, step: StepStats) -> None:
+        seq.drafted += drafted
+        seq.accepted += accepted
+        step.drafted += drafted
+        step.accepted += accepted
+        per_pos = self._stats.accepted_per_position
+        if len(per_pos) < drafted:
+            per_pos.extend([0] * (drafted - len(per_pos)))
+        for pos in range(accepted):
+            per_pos[pos] += 1
+        self._stats.num_drafts += 1
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End one request with an error (its resources freed); the step goes on without it."""

@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the distribution that decided it."""
+    token: int
+    logprob: float
+    rank: int                              # 1 = the most likely token
+    top: list[tuple[int, float]]           # the `logprobs` most likely tokens, in rank order
+
+
+@dataclass
 class RequestOutput:
     """One step's news for one request. Exactly one output per request has finished=True."""
     request_id: str
@@ -21,6 +30,8 @@ class RequestOutput:
     num_drafted: int = 0                  # drafts proposed for this request so far
     num_accepted: int = 0                 # ... and accepted by verification
     error: str | None = None              # set with finish_reason == "error"
+    logprobs: list[TokenLogprob] | None = None   # per new token, when the request asked
+    cumulative_logprob: float | None = None      # over every token so far, when it asked
 
 
 @dataclass
@@ -84,6 +95,8 @@ class EngineStats:
     generation_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    num_drafts: int = 0                    # proposals verified (one per sequence per step)
+    accepted_per_position: list[int] = field(default_factory=list)   # drafts accepted at position 0, 1, ...
     target_calls: int = 0                  # decode/verify forwards that committed tokens
     decode_tokens: int = 0                 # tokens committed by those calls
     preemptions: int = 0

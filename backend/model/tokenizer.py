@@ -50,6 +50,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        """One token alone, as text (what logprobs call ``decoded_token``)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.

@@ -20,6 +20,7 @@ SEED_RANGE = (0, 2**64 - 1)          # what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024         # stop strings are held back from streams: keep them short
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20                    # top-N alternatives per token (vLLM's default limit)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (the request still decodes, just without drafts).
     speculative: bool = True
     min_tokens: int = 0
+    # Log-probabilities of each generated token (and of its `logprobs` most likely
+    # alternatives; 0: the token alone); None: none.
+    logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +82,9 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequest(f"stop strings must be at most {MAX_STOP_STRING_CHARS} "
                                      f"characters, got one of {len(s)}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {short(self.logprobs)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
@@ -152,10 +159,11 @@ _COERCE = {
     "ignore_eos": to_bool,
     "stop_token_ids": _to_token_ids,
     "speculative": to_bool,
+    "logprobs": _to_opt_int,
 }
 # Spellings other front ends use for the same knob.
 _ALIASES = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop"}
 # Accepted for drop-in compatibility with vLLM-backend clients but with no effect here; listed so
 # that typos are still refused.
-_IGNORED = {"stream", "logprobs", "detokenize", "skip_special_tokens",
+_IGNORED = {"stream", "detokenize", "skip_special_tokens",
             "spaces_between_special_tokens"}

@@ -241,3 +241,54 @@ def psd_overlap(stats: Any) -> float:
     if shorter <= 0 or t <= 0:
         return 0.0
     return max(0.0, min(1.0, (d + v - t) / shorter))
+
+
+class ModelMetrics:
+    """Every metric family of one model instance: nightdraft's own (``report_custom_metrics``,
+    on by default) and vLLM's names (``REPORT_CUSTOM_METRICS``, as the vLLM backend; off by
+    default). Either may be None; every call is safe from any thread."""
+
+    def __init__(self, ours: TritonMetrics | None, vllm: Any | None, *, min_update_interval_s: float = 0.1):
+        self.ours, self.vllm = ours, vllm
+        self._lock = threading.Lock()
+        self._min_interval = min_update_interval_s
+        self._last_update = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last_update >= self._min_interval
+
+    def update_from_stats(self, stats: Any, force: bool = False) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._last_update < self._min_interval:
+                return False
+            self._last_update = now
+            for sink in (self.ours, self.vllm):
+                if sink is None:
+                    continue
+                try:
+                    sink.update_from_stats(stats, force=True) if sink is self.ours else sink.update_from_stats(stats)
+                except Exception:
+                    log.exception("updating engine metrics failed")
+            return True
+
+    def observe_tokens(self, count: int, since_s: float | None, first_token_s: float | None) -> None:
+        if self.vllm is not None and count:
+            try:
+                self.vllm.observe_tokens(count, since_s, first_token_s)
+            except Exception:
+                log.exception("recording token metrics failed")
+
+    def observe_request(self, *, ttft_s: float | None, tpot_s: float | None, e2e_s: float,
+                        finish_reason: str | None, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        if self.ours is not None:
+            self.ours.observe_request(ttft_s=ttft_s, tpot_s=tpot_s, e2e_s=e2e_s, finish_reason=finish_reason)
+        if self.vllm is not None:
+            try:
+                self.vllm.observe_request(e2e_s, prompt_tokens, generation_tokens)
+            except Exception:
+                log.exception("recording request metrics failed")
+
+    def set_healthy(self, healthy: bool) -> None:
+        if self.ours is not None:
+            self.ours.set_healthy(healthy)

@@ -43,6 +43,7 @@ def generation_model(pb_utils: Any, request_class: type[ServedRequest]) -> type:
 
 class GenerationModel:
     pb: Any = None
+    token_text: Any = None          # the engine's tokenizer, one token at a time (for logprobs)
     REQUEST: type[ServedRequest] = ServedRequest
 
     # ------------------------------------------------------------------ life cycle
@@ -56,6 +57,7 @@ class GenerationModel:
         grace_s = margs.seconds("shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S)
         self._summary_file = margs.path(SUMMARY_FILE)
         self.engine = self._load_engine(margs)
+        self.token_text = self.engine.tokenizer.token_text
         self.metrics = self._start_metrics(margs)
         self.inflight = InflightRequests()
         self.loop = EngineLoop(self.engine, on_step=self._on_step, name=f"{self.model_name}-engine")
@@ -84,11 +86,16 @@ class GenerationModel:
         return engine
 
     def _start_metrics(self, margs: ModelArgs) -> Any | None:
-        if not margs.flag("report_custom_metrics", True):
+        ours, vllm = margs.flag("report_custom_metrics", True), margs.flag("REPORT_CUSTOM_METRICS", False)
+        if not ours and not vllm:
             return None
         try:
-            from backend.serving.metrics import TritonMetrics
-            metrics = TritonMetrics(self.pb, {"model": self.model_name, "version": margs.version})
+            from backend.serving.metrics import ModelMetrics, TritonMetrics
+            from backend.serving.vllm_metrics import VllmMetrics
+            labels = {"model": self.model_name, "version": margs.version}
+            metrics = ModelMetrics(
+                TritonMetrics(self.pb, labels) if ours else None,
+                VllmMetrics(self.pb, labels, self.engine.max_model_len, self.engine.config.gamma_max) if vllm else None)
             metrics.update_from_stats(self.engine.stats(), force=True)
             return metrics
         except Exception as e:  # e.g. the server runs with --allow-metrics=false
@@ -145,7 +152,7 @@ class GenerationModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                self._admit(self.REQUEST(self.pb, request, sender, now))
+                self._admit(self.REQUEST(self.pb, request, sender, now, token_text=self.token_text))
             except InvalidRequest as e:
                 send_error(self.pb, sender, str(e), "INVALID_ARG", self.model_name)
             except (EngineLoopError, ServerBusy) as e:

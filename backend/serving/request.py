@@ -21,8 +21,11 @@ class ServedRequest:
     params: SamplingParams
     stream: bool = False
 
-    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0):
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0,
+                 token_text: Any = None):
+        """``token_text(token_id) -> str``: the model's tokenizer, for outputs that spell tokens."""
         self.pb = pb
+        self.token_text = token_text
         self.request = request
         self.sender = sender
         self.arrival = arrival

@@ -59,8 +59,10 @@ def coalesce(outputs: list[RequestOutput]) -> list[tuple[RequestOutput, int]]:
             out.append((o, i))
             continue
         prev, first = out[k]
+        logprobs = None if prev.logprobs is None and o.logprobs is None else \
+            (prev.logprobs or []) + (o.logprobs or [])
         out[k] = (replace(o, new_token_ids=prev.new_token_ids + o.new_token_ids,
-                          new_text=prev.new_text + o.new_text), first)
+                          new_text=prev.new_text + o.new_text, logprobs=logprobs), first)
     return out
 
 
@@ -145,6 +147,11 @@ class ResponseThread:
     def _handle(self, r: ServedRequest, out: RequestOutput, t_first: float, t_last: float) -> None:
         if r.final_sent:
             return
+        if self.metrics is not None and out.new_token_ids:
+            first = r.first_token_at is None
+            self.metrics.observe_tokens(len(out.new_token_ids),
+                                        since_s=(t_last - t_first) if first else t_last - r.last_token_at,
+                                        first_token_s=(t_first - r.arrival) if first else None)
         r.track(out, t_first, t_last)
         if not out.finished:
             try:
@@ -193,4 +200,5 @@ class ResponseThread:
             ttft, tpot = r.latencies()
             reason = "abort" if r.cancelled else out.finish_reason
             self.metrics.observe_request(ttft_s=ttft, tpot_s=tpot, e2e_s=time.monotonic() - r.arrival,
-                                         finish_reason=reason)
+                                         finish_reason=reason, prompt_tokens=r.num_prompt_tokens,
+                                         generation_tokens=r.num_output_tokens)

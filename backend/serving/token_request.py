@@ -33,8 +33,8 @@ SCALARS = {  # TensorRT-LLM input name -> SamplingParams key
 
 class TokenRequest(ServedRequest):
 
-    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0):
-        super().__init__(pb, request, sender, arrival)
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0, token_text: Any = None):
+        super().__init__(pb, request, sender, arrival, token_text)
         self.prompt = _input_ids(pb, request)
         raw = sampling_parameters(pb, request)
         self.stream = False
