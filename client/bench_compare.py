@@ -8,6 +8,8 @@ alike. Rows say which comparison they are:
   ar-2dev  plain decoding given both cores (two threads): what the drafter's device buys AR
   sd       sequential SD, drafter in its worker on its own core (MineDraft's baseline)
   psd      batch-parallel SD, same two devices as sd
+  ngram    SD with n-gram (prompt lookup) drafts: no drafter, the target on one core (as ar-1dev)
+  ngram-auto  mode auto over the n-gram proposer: the planner picks plain decoding or a gamma
 
 Next to each measured throughput stands the cost model's prediction from a calibration of the
 same forwards (planner/cost_model.py).
@@ -30,6 +32,7 @@ from client.bench_offline import add_engine_args
 from client.prompts import load_prompts
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
+NGRAM_CONFIGS = ("ngram", "ngram-auto")
 
 
 def add_compare_parser(bench_sub) -> None:
@@ -42,7 +45,7 @@ def add_compare_parser(bench_sub) -> None:
                    help="requests per run = this x concurrency (at least 8)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", default=None)
+    p.add_argument("--prompts", default=None, help='a prompts file, or "heldout" (default) / "edit"')
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--json", default="bench-compare.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
@@ -84,8 +87,11 @@ def build_engines(args, names: list[str]) -> dict:
             engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, mode=name,
                                                  gamma=args.gamma, drafter_device="cpu",
                                                  num_threads=one.threads)), one)
+        elif name in NGRAM_CONFIGS:
+            engines[name] = (Engine(EngineConfig(**common, proposer="ngram", mode="sd" if name == "ngram" else "auto",
+                                                 gamma=args.gamma, num_threads=one.threads)), one)
         else:
-            raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
+            raise ValueError(f"unknown config {name!r}; choose from {CONFIGS + NGRAM_CONFIGS}")
     return engines
 
 
@@ -233,13 +239,16 @@ def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]
             for key in runs[0]:
                 vals = [r[key] for r in runs if r[key] is not None]
                 row[key] = statistics.median(vals) if vals else None
-            if name != "ar-2dev":   # the profile was measured on the target's one device
+            if name in ("ar-1dev", "sd", "psd"):   # what the profile measured (one device, the drafter)
                 row["predicted_tokens_per_s"] = predict(mode, level, gamma, alpha, profile).tokens_per_s
             rows.append(row)
         by = {r["config"]: r for r in rows if r["concurrency"] == level}
         if "psd" in by and "sd" in by:
             by["psd"]["psd_over_sd"] = by["psd"]["tokens_per_s"] / by["sd"]["tokens_per_s"]
             by["psd"]["psd_bound_over_sd"] = psd_speedup_bound(level, gamma, profile) if level >= 2 else 1.0
+        if "ar-1dev" in by:        # every row against plain decoding on the same one device
+            for row in by.values():
+                row["over_ar-1dev"] = row["tokens_per_s"] / by["ar-1dev"]["tokens_per_s"]
         for ar in ("ar-1dev", "ar-2dev"):
             if "psd" in by and ar in by:
                 by["psd"][f"psd_over_{ar}"] = by["psd"]["tokens_per_s"] / by[ar]["tokens_per_s"]
@@ -249,18 +258,18 @@ def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'conc':>4} {'config':<8} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
-            f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'psd/ar1':>7} {'psd/ar2':>7}")
+    head = (f"{'conc':>4} {'config':<10} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
+            f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'x ar1':>7} {'psd/ar2':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(key, fmt):
             v = r.get(key)
-            return format(v, fmt) if isinstance(v, (int, float)) else "-"
-        lines.append(f"{r['concurrency']:>4} {r['config']:<8} {f('tokens_per_s', '8.1f')} "
+            return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(int(fmt.split(".")[0]))
+        lines.append(f"{r['concurrency']:>4} {r['config']:<10} {f('tokens_per_s', '8.1f')} "
                      f"{f('predicted_tokens_per_s', '8.1f')} {f('mean_latency_s', '7.3f')} "
                      f"{f('acceptance_rate', '6.2f')} {f('tokens_per_target_call', '8.2f')} "
                      f"{f('overlap_efficiency', '7.2f')} {f('psd_over_sd', '7.2f')} "
-                     f"{f('psd_over_ar-1dev', '7.2f')} {f('psd_over_ar-2dev', '7.2f')}")
+                     f"{f('over_ar-1dev', '7.2f')} {f('psd_over_ar-2dev', '7.2f')}")
     return "\n".join(lines)
 
 

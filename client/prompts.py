@@ -1,19 +1,28 @@
-"""Benchmark prompts: code snippets cut from files the tiny models never trained on."""
+"""Benchmark prompts: code snippets cut from files the tiny models never trained on.
+
+Two sets: ``heldout`` (continue a snippet: free-form code, little of it repeats the prompt) and
+``edit`` (a function, then the same function begun again with one name changed: the output
+mostly repeats the input, as code edits and refactors do, which is where n-gram drafts pay).
+"""
 from __future__ import annotations
 
 import json
 import random
+import re
 import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "models" / "prompts.jsonl"
+EDIT_PROMPTS = REPO / "models" / "edit_prompts.jsonl"
 HELD_OUT_EVERY = 25   # the tiny-model trainer holds out files with index % 25 == 24
 
 
 def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:
-    """One JSON string per line; `n` cycles through the file if it holds fewer."""
-    path = Path(path) if path else DEFAULT_PROMPTS
+    """One JSON string per line; `n` cycles through the file if it holds fewer. `path` may also
+    name a bundled set: "heldout" (the default) or "edit"."""
+    path = {"heldout": DEFAULT_PROMPTS, "edit": EDIT_PROMPTS}.get(str(path), path) if path else DEFAULT_PROMPTS
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} not found (make it with "
                                 f"`python -m client.prompts --out {path}`)")
@@ -32,13 +41,45 @@ def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[s
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def make_heldout_prompts(count: int = 256, seed: int = 0, min_lines: int = 3,
-                         max_lines: int = 12) -> list[str]:
+def _heldout_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     skip = ("test", "tests", "idle_test", "site-packages")
     files = sorted(p for p in stdlib.rglob("*.py")
                    if not any(part in skip for part in p.relative_to(stdlib).parts))
-    held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    return [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+
+
+def make_edit_prompts(count: int = 64, seed: int = 0, max_lines: int = 14) -> list[str]:
+    """"Rewrite this function with one change": a held-out function, then its first line again
+    with the function's name changed; the body that should follow is the one above."""
+    rng = random.Random(seed)
+    functions = []
+    for f in _heldout_files():
+        lines = f.read_text(errors="replace").splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            m = re.match(r"(\s*)def (\w+)\(", line)
+            if not m:
+                continue
+            indent, body = m.group(1), [line]
+            for nxt in lines[i + 1:i + max_lines]:
+                if nxt.strip() and not nxt.startswith(indent + " "):
+                    break
+                body.append(nxt)
+            text = "".join(body).rstrip() + "\n"
+            if 4 <= len(body) and len(text) < 700:
+                functions.append((m.group(2), text, line))
+    rng.shuffle(functions)
+    prompts = []
+    for name, text, first in functions[:count]:
+        new_name = name + "_v2"
+        prompts.append(f"{text}\n\n# The same function, renamed to {new_name}:\n"
+                       + first.replace(f"def {name}(", f"def {new_name}(", 1).lstrip())
+    return prompts
+
+
+def make_heldout_prompts(count: int = 256, seed: int = 0, min_lines: int = 3,
+                         max_lines: int = 12) -> list[str]:
+    held_out = _heldout_files()
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < count:
@@ -58,7 +99,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--count", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", choices=["heldout", "edit"], default="heldout")
     a = ap.parse_args()
+    make = make_edit_prompts if a.set == "edit" else make_heldout_prompts
+    made = make(a.count, a.seed)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text("".join(json.dumps(p) + "\n" for p in make_heldout_prompts(a.count, a.seed)))
-    print(f"wrote {a.count} prompts to {a.out}")
+    Path(a.out).write_text("".join(json.dumps(p) + "\n" for p in made))
+    print(f"wrote {len(made)} {a.set} prompts to {a.out}")

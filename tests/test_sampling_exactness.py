@@ -30,11 +30,15 @@ N = 1200
 P_MIN = 1e-3
 
 
-@pytest.fixture(scope="module")
-def hf():
+def load_target_hf():
     from client import bench_vllm
     torch.set_num_threads(1)
     return bench_vllm.load_hf(str(TINY_TARGET))
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return load_target_hf()
 
 
 def next_probs(hf, prefixes: list[list[int]]) -> torch.Tensor:

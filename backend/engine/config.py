@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("ar", "sd", "psd", "auto")
+PROPOSERS = ("drafter", "ngram")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -43,6 +44,12 @@ class EngineConfig:
     max_waiting: int = 256
     max_waiting_bytes: int = 64 << 20
     mode: str | None = None                     # default: "sd" with a drafter, else "ar"
+    # What proposes drafts: "drafter" (the drafter checkpoint) or "ngram" (prompt lookup: the
+    # continuation of the latest earlier occurrence of the last n tokens, n in
+    # [ngram_min, ngram_max]; no model, no device, no KV).
+    proposer: str = "drafter"
+    ngram_min: int = 1
+    ngram_max: int = 4
     gamma: int = 4
     gamma_max: int = 8
     # mode "auto": the adaptive planner picks mode and gamma every step.
@@ -57,7 +64,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.mode is None:
-            self.mode = "sd" if self.drafter else "ar"
+            self.mode = "sd" if self.drafter or self.proposer == "ngram" else "ar"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
         self.validate()
@@ -72,7 +79,15 @@ class EngineConfig:
         if self.drafter is not None:
             need(Path(self.drafter, "config.json").is_file(), f"drafter: no config.json in {self.drafter!r}")
         need(self.mode in MODES, f"mode: must be one of {MODES}, got {self.mode!r}")
-        need(self.mode == "ar" or self.drafter is not None, f"mode {self.mode!r} needs a drafter checkpoint")
+        need(self.proposer in PROPOSERS, f"proposer: must be one of {PROPOSERS}, got {self.proposer!r}")
+        if self.proposer == "ngram":
+            need(self.drafter is None, "proposer 'ngram' takes no drafter checkpoint")
+            need(self.mode != "psd", "mode 'psd' needs a drafter model on its own device; n-gram "
+                 "proposals cost nothing to overlap")
+            need(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max <= 16,
+                 "ngram_min, ngram_max: integers with 1 <= ngram_min <= ngram_max <= 16")
+        else:
+            need(self.mode == "ar" or self.drafter is not None, f"mode {self.mode!r} needs a drafter checkpoint")
         need(self.mode != "psd" or self.drafter_device is not None,
              "mode 'psd' needs the drafter on its own device: set drafter_device "
              "(e.g. \"cpu\" for a worker pinned to its own core, or \"cuda:1\")")

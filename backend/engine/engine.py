@@ -81,8 +81,9 @@ class Engine:
             max_waiting=config.max_waiting, max_waiting_bytes=config.max_waiting_bytes), self.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
-        self.drafter = self._load_drafter(config) if config.drafter is not None else None
-        self.memory = self._init_memory() if self.drafter is not None and config.offload else None
+        self.drafter = self._load_drafter(config) if config.drafter is not None or config.proposer == "ngram" else None
+        # Elastic memory lends a drafter model's bytes; an n-gram proposer holds none.
+        self.memory = self._init_memory() if config.drafter is not None and config.offload else None
 
         self.mode = config.mode                 # as configured: ar | sd | psd | auto
         self.active_mode = "sd" if config.mode == "auto" else config.mode   # what steps run now
@@ -122,6 +123,9 @@ class Engine:
         return min(model_max, pool_tokens)
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
+        vocab = self.target.config.vocab_size
+        if config.proposer == "ngram":
+            return DrafterManager(config, vocab_size=vocab, kv_cache_bytes=0, max_rows=0, dtype=self.dtype)
         dcfg = ModelConfig.from_pretrained(config.drafter)
         if dcfg.vocab_size != self.target.config.vocab_size:
             raise ConfigError(f"drafter vocab ({dcfg.vocab_size}) differs from the target's "

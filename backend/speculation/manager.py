@@ -19,6 +19,7 @@ import torch
 
 from backend.batching.sequence import Sequence
 from backend.speculation.drafter import Drafter
+from backend.speculation.ngram import NgramProposer
 from backend.speculation.proposer import DraftRequest, Proposal, Proposer
 from backend.speculation.worker import RemoteDrafter, WorkerSpec
 
@@ -55,6 +56,8 @@ class DrafterManager:
 
     def _build(self, offloaded: bool = False):
         cfg = self.config
+        if cfg.proposer == "ngram":
+            return NgramProposer(self._vocab_size, cfg.ngram_min, cfg.ngram_max, device=cfg.device)
         if not self.remote:
             return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
                                 kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,

@@ -1,0 +1,116 @@
+"""Drafting that costs nothing: n-gram (prompt lookup) proposals.
+
+The continuation of the most recent earlier occurrence of the sequence's last n tokens, in its
+prompt and its output so far, for the longest n in [min_n, max_n] that occurs. Code edits,
+retrieval answers and structured text repeat their input often; free text rarely, and then
+nothing is proposed (the step decodes plainly).
+
+Each sequence keeps an index from n-gram to where it last ended, updated with the new tokens
+only (never a rescan of the context): the n-grams ending before the sequence's last token, so a
+lookup of the suffix finds strictly earlier occurrences.
+
+A sampled request gets one-hot draft distributions: rejection sampling then accepts a drafted
+token x with probability p(x) and resamples from p without x, exactly the target's distribution.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal
+
+
+@dataclass
+class _Index:
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)   # n-gram -> last end position
+    indexed: int = 0               # n-grams ending before this position are in `ends`
+
+
+class NgramProposer:
+    """A :class:`~backend.speculation.proposer.Proposer` with no model, no device, no KV."""
+
+    last_propose_s = 0.0
+    last_catchup_s = 0.0
+    num_catchup_tokens = 0
+
+    def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4, device: str | torch.device = "cpu"):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.vocab_size = vocab_size
+        self.min_n, self.max_n = min_n, max_n
+        self.device = torch.device(device)
+        self._seqs: dict[str, _Index] = {}
+
+    def propose_async(self, requests: list[DraftRequest]) -> Done:
+        return Done(requests, self.propose(requests))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        t0 = time.perf_counter()
+        out = []
+        for req in requests:
+            try:
+                ix = self._sync(req)
+            except Desynchronised:
+                self.free(req.seq_id)
+                out.append(Proposal([], None, resync=True))
+                continue
+            tokens = self._lookup(ix, req.gamma)
+            probs = None
+            if tokens and not req.params.greedy:
+                probs = torch.zeros(len(tokens), self.vocab_size, device=self.device)
+                probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            out.append(Proposal(tokens, probs))
+        self.last_propose_s = time.perf_counter() - t0
+        return out
+
+    def _sync(self, req: DraftRequest) -> _Index:
+        ix = self._seqs.get(req.seq_id)
+        if ix is None or req.start == 0:
+            ix = self._seqs[req.seq_id] = _Index()
+        if req.start != len(ix.tokens):
+            raise Desynchronised(f"sequence {req.seq_id!r}: tokens from position {req.start}, "
+                                 f"the proposer holds {len(ix.tokens)}")
+        ix.tokens.extend(req.new_tokens)
+        toks = ix.tokens
+        for end in range(ix.indexed, len(toks) - 1):     # n-grams ending before the last token
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                ix.ends[tuple(toks[end - n + 1:end + 1])] = end
+        ix.indexed = max(ix.indexed, len(toks) - 1)
+        return ix
+
+    def _lookup(self, ix: _Index, gamma: int) -> list[int]:
+        toks = ix.tokens
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            end = ix.ends.get(tuple(toks[len(toks) - n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + gamma]
+        return []
+
+    # ---- the rest of the Proposer interface: nothing to hold, move or stop
+
+    def free(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def kv_usage(self) -> float:
+        return 0.0
+
+    def refresh_stats(self) -> None:
+        pass
+
+    def loaded_bytes(self) -> int:
+        return 0
+
+    def offload(self) -> int:
+        return 0
+
+    def reload_async(self):
+        raise RuntimeError("an n-gram proposer holds no weights to reload")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass

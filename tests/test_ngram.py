@@ -1,0 +1,196 @@
+"""The n-gram (prompt lookup) proposer: what it proposes, that its index grows with the new tokens
+only, and that the engine with it decodes exactly as plain decoding, greedy and sampled."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from backend.engine.config import ConfigError, EngineConfig
+from backend.engine.engine import Engine
+from backend.sampling.params import SamplingParams
+from backend.speculation.ngram import NgramProposer
+from backend.speculation.proposer import DraftRequest
+from model_factory import TINY_DRAFTER, TINY_TARGET
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+# Code that repeats itself, as edits and refactors do; and prose the code model has no copy of.
+COPY_PROMPTS = [
+    "def area(w, h):\n    return w * h\n\n\ndef area(w, h):\n",
+    "for i in range(10):\n    total += i\nfor i in range(10):\n",
+    "import os\nimport sys\nimport re\n\nimport os\nimport",
+]
+FREE_PROMPTS = ["The weather today", "class Stack:\n    def push(self, x):\n"]
+
+
+def ask(p: NgramProposer, seq: str, new: list[int], start: int, gamma: int = 3, params=GREEDY):
+    return p.propose([DraftRequest(seq, new, gamma, params, start=start)])[0]
+
+
+def test_proposes_the_continuation_of_the_longest_latest_match():
+    p = NgramProposer(vocab_size=100, min_n=1, max_n=3)
+    #        0  1  2  3  4  5  6  7  8  9
+    toks = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    # suffix (6, 7) occurs twice earlier, ending at 2 and 6: the latest (-> 9, 2) wins ...
+    assert ask(p, "a", toks, 0).tokens == [9, 2, 6]
+    # ... but a longer match beats a later one: (5, 6, 7) ends only at 2, so 8, 1 follows.
+    q = NgramProposer(vocab_size=100, min_n=1, max_n=3)
+    assert ask(q, "b", [5, 6, 7, 8, 1, 6, 7, 9, 5, 6, 7], 0, gamma=2).tokens == [8, 1]
+
+
+def test_no_match_proposes_nothing_and_min_n_is_respected():
+    p = NgramProposer(vocab_size=100, min_n=2, max_n=3)
+    assert ask(p, "a", [1, 2, 3, 4, 3], 0).tokens == []        # only a 1-gram (3) repeats
+    p1 = NgramProposer(vocab_size=100, min_n=1, max_n=3)
+    assert ask(p1, "a", [1, 2, 3, 4, 3], 0).tokens == [4, 3]
+
+
+def test_the_index_grows_with_the_new_tokens_only():
+    p = NgramProposer(vocab_size=1000, min_n=1, max_n=4)
+    writes = Counter()
+
+    class CountingDict(dict):
+        def __setitem__(self, key, value):
+            writes["n"] += 1
+            super().__setitem__(key, value)
+
+    toks = list(range(200))
+    ask(p, "s", toks, 0)
+    p._seqs["s"].ends = CountingDict(p._seqs["s"].ends)
+    for step in range(50):                        # one committed token per step, as decoding does
+        writes["n"] = 0
+        ask(p, "s", [900 + step], len(toks))
+        toks.append(900 + step)
+        assert writes["n"] <= 4, f"step {step}: {writes['n']} index writes for one new token"
+
+
+def test_a_gap_in_the_tokens_asks_for_a_resync_and_a_restart_rebuilds():
+    p = NgramProposer(vocab_size=100)
+    ask(p, "s", [1, 2, 3, 1, 2], 0)
+    assert ask(p, "s", [9], 7).resync                  # tokens 5..6 were never sent
+    assert p.num_sequences() == 0                      # forgotten, not drafted from a wrong context
+    assert ask(p, "s", [1, 2, 3, 1, 2], 0).tokens == [3, 1, 2]
+
+
+def test_sampled_requests_get_one_hot_draft_distributions():
+    p = NgramProposer(vocab_size=50)
+    prop = ask(p, "s", [1, 2, 3, 1, 2], 0, params=SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    assert prop.tokens == [3, 1, 2]
+    assert prop.probs.shape == (3, 50)
+    assert prop.probs.sum(dim=1).tolist() == [1.0, 1.0, 1.0]
+    assert prop.probs.argmax(dim=1).tolist() == [3, 1, 2]
+
+
+def test_config_rejects_what_ngram_cannot_do():
+    base = dict(target=str(TINY_TARGET), proposer="ngram", kv_cache_bytes=8 << 20)
+    assert EngineConfig(**base).mode == "sd"                    # speculates by default, no drafter
+    with pytest.raises(ConfigError, match="no drafter"):
+        EngineConfig(**base, drafter=str(TINY_DRAFTER))
+    with pytest.raises(ConfigError, match="psd"):
+        EngineConfig(**base, mode="psd", drafter_device="cpu")
+    with pytest.raises(ConfigError, match="ngram_min"):
+        EngineConfig(**base, ngram_min=3, ngram_max=2)
+    with pytest.raises(ConfigError, match="proposer"):
+        EngineConfig(target=str(TINY_TARGET), proposer="eagle")
+
+
+def generate(engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    return [c.output_ids for c in engine.generate(prompts, [params] * len(prompts), max_concurrency=4)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    e = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    return generate(e, COPY_PROMPTS + FREE_PROMPTS, params)
+
+
+@pytest.mark.parametrize("mode", ["sd", "auto"])
+def test_ngram_greedy_output_equals_plain_decoding(mode, plain_greedy):
+    e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", mode=mode, gamma=4,
+                            kv_cache_bytes=16 << 20))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert generate(e, COPY_PROMPTS + FREE_PROMPTS, params) == plain_greedy
+    st = e.stats()
+    if mode == "sd":
+        assert st.drafted_tokens > 0 and st.accepted_tokens > 0, "n-gram drafts were never used"
+        assert st.target_calls < sum(len(o) for o in plain_greedy), "speculation saved no target calls"
+    e.close()
+
+
+def test_a_request_that_opts_out_gets_no_ngram_drafts():
+    e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", gamma=4, kv_cache_bytes=16 << 20))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=False)
+    generate(e, COPY_PROMPTS, params)
+    assert e.stats().drafted_tokens == 0
+    e.close()
+
+
+@pytest.mark.slow
+def test_ngram_sampled_tokens_follow_the_target():
+    """The engine-level chi-square check of tests/test_sampling_exactness.py, with n-gram drafts:
+    a prompt that repeats itself, so that after its likely first tokens the 2nd and 3rd are
+    drafted from the prompt (and sometimes rejected)."""
+    import test_sampling_exactness as exactness
+
+    hf = exactness.load_target_hf()
+    from backend.model.tokenizer import Tokenizer
+    prompt = "import os\nimport sys\nimport os\nimport sys\nimport "
+    ids = Tokenizer.from_pretrained(str(TINY_TARGET)).encode(prompt)
+    m2 = exactness.marginal_after(hf, ids)
+    t1 = int(exactness.next_probs(hf, [ids])[0].argmax())
+    m3 = exactness.marginal_after(hf, ids + [t1])
+    e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", ngram_min=1, gamma=3,
+                            kv_cache_bytes=32 << 20))
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(exactness.N)]
+    runs = [c.output_ids for c in e.generate([prompt] * len(params), params, max_concurrency=48)]
+    st = e.stats()
+    assert st.drafted_tokens > 0 and 0 < st.acceptance_rate < 1, "the test needs drafts, some rejected"
+    exactness.check((ids, m2, t1, m3), runs, "ngram")
+    e.close()
+
+
+@pytest.mark.slow
+def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
+    """engine.json with `"proposer": "ngram"` behind a real tritonserver: concurrent gRPC streams
+    get plain greedy decoding's text, and the model's counters show n-gram drafts accepted."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client.dynamic_server import MODEL, write_repository
+    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
+    from client.triton_client import GrpcClient
+    from conftest import test_engine_config
+    from test_triton_e2e import metrics, wait_kv_free
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    config = test_engine_config() | {"drafter": None, "proposer": "ngram", "mode": "sd"}
+    prompts = COPY_PROMPTS + FREE_PROMPTS
+    threads = torch.get_num_threads()
+    try:
+        ar = Engine(EngineConfig.from_dict(config | {"proposer": "drafter", "mode": "ar"}))
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        expected = [c.text for c in ar.generate(prompts, params)]
+        ar.close()
+    finally:
+        torch.set_num_threads(threads)
+
+    repo = write_repository(tmp_path, config)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          host="127.0.0.1", log_file=tmp_path / "tritonserver.log", models=[MODEL],
+                          exit_timeout_s=10)
+    server.start()
+    try:
+        server.wait_ready(240)
+        client = GrpcClient(server.grpc_url, MODEL, timeout_s=120)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: client.generate(p, max_tokens=32, temperature=0.0,
+                                                          ignore_eos=True).text, prompts))
+        assert got == expected
+        m = wait_kv_free(server)
+        assert m["nightdraft_spec_decode_draft_tokens_total"] > 0
+        assert m["nightdraft_spec_decode_accepted_tokens_total"] > 0
+    finally:
+        server.stop(timeout_s=60)
