@@ -10,6 +10,7 @@ alike. Rows say which comparison they are:
   psd      batch-parallel SD, same two devices as sd
   ngram    SD with n-gram (prompt lookup) drafts: no drafter, the target on one core (as ar-1dev)
   ngram-auto  mode auto over the n-gram proposer: the planner picks plain decoding or a gamma
+  ngram-auto-cold  the same, the planner started without its calibrated cost model
 
 Next to each measured throughput stands the cost model's prediction from a calibration of the
 same forwards (planner/cost_model.py).
@@ -32,7 +33,7 @@ from client.bench_offline import add_engine_args
 from client.prompts import load_prompts
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
-NGRAM_CONFIGS = ("ngram", "ngram-auto")
+NGRAM_CONFIGS = ("ngram", "ngram-auto", "ngram-auto-cold")
 
 
 def add_compare_parser(bench_sub) -> None:
@@ -45,7 +46,7 @@ def add_compare_parser(bench_sub) -> None:
                    help="requests per run = this x concurrency (at least 8)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompts", default=None, help='a prompts file, or "heldout" (default) / "edit"')
+    p.add_argument("--prompts", default=None, help='a prompts file, or a bundled set: "heldout" (default), "edit", "prose"')
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--json", default="bench-compare.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
@@ -89,7 +90,8 @@ def build_engines(args, names: list[str]) -> dict:
                                                  num_threads=one.threads)), one)
         elif name in NGRAM_CONFIGS:
             engines[name] = (Engine(EngineConfig(**common, proposer="ngram", mode="sd" if name == "ngram" else "auto",
-                                                 gamma=args.gamma, num_threads=one.threads)), one)
+                                                 gamma=args.gamma, num_threads=one.threads,
+                                                 planner_cost_profile="off" if name.endswith("-cold") else "calibrate")), one)
         else:
             raise ValueError(f"unknown config {name!r}; choose from {CONFIGS + NGRAM_CONFIGS}")
     return engines
@@ -99,38 +101,15 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
               reps: int = 5) -> CostProfile:
     """Time bare forwards of the target (b x 1 and b x (gamma+1) tokens) and of the drafter
     (b x 1), with ~128 tokens of context each, under the target's placement."""
-    from backend.model.kv_cache import PagedKVCache
+    from backend.engine.calibration import time_forward
     from backend.model.loader import load_model
 
     _apply(placement)
-    profile = CostProfile()
     drafter = load_model(drafter_path, device=engine.config.device, dtype=engine.dtype)
-    for name, model in (("target", engine.target), ("drafter", drafter)):
-        for b in batches:
-            for n in ((1, gamma + 1) if name == "target" else (1,)):
-                ctx = 128
-                per_seq = (ctx + n) // 16 + 1
-                budget = b * per_seq * PagedKVCache.bytes_per_block(model.config, 16, engine.dtype)
-                kv = PagedKVCache.for_model(model.config, budget, block_size=16,
-                                            dtype=engine.dtype, device=engine.config.device)
-                ids = [f"c{i}" for i in range(b)]
-                for s in ids:
-                    assert kv.ensure_capacity(s, ctx + n)
-                times = []
-                with torch.inference_mode():
-                    for r in range(reps + 1):
-                        meta = model.prepare(kv, ids, [ctx] * b, [n] * b)
-                        x = torch.randint(0, model.config.vocab_size, (b * n,))
-                        t0 = time.perf_counter()
-                        model(x, meta, kv, None)
-                        if r:
-                            times.append(time.perf_counter() - t0)
-                t = statistics.median(times)
-                if name == "target":
-                    profile.verify[(b, n)] = t
-                else:
-                    profile.draft[b] = t
-    return profile
+    kw = dict(device=engine.config.device, dtype=engine.dtype, reps=reps)
+    return CostProfile({(b, n): time_forward(engine.target, batch=b, tokens=n, **kw)
+                        for b in batches for n in (1, gamma + 1)},
+                       {b: time_forward(drafter, batch=b, tokens=1, **kw) for b in batches})
 
 
 def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,
@@ -258,14 +237,14 @@ def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'conc':>4} {'config':<10} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
+    head = (f"{'conc':>4} {'config':<15} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
             f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'x ar1':>7} {'psd/ar2':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(key, fmt):
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(int(fmt.split(".")[0]))
-        lines.append(f"{r['concurrency']:>4} {r['config']:<10} {f('tokens_per_s', '8.1f')} "
+        lines.append(f"{r['concurrency']:>4} {r['config']:<15} {f('tokens_per_s', '8.1f')} "
                      f"{f('predicted_tokens_per_s', '8.1f')} {f('mean_latency_s', '7.3f')} "
                      f"{f('acceptance_rate', '6.2f')} {f('tokens_per_target_call', '8.2f')} "
                      f"{f('overlap_efficiency', '7.2f')} {f('psd_over_sd', '7.2f')} "

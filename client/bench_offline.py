@@ -32,12 +32,14 @@ def add_offline_parser(bench_sub) -> None:
                    help="run the drafter in a worker on its own device: cpu, cpu:CORES or cuda:N "
                         "(psd needs one; default for psd: cpu)")
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--prompts", default=None, help="file with one JSON string per line")
+    p.add_argument("--prompts", default=None, help='file with one JSON string per line, or a bundled set: "heldout" (default), "edit", "prose"')
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--planner-cost-profile", default="calibrate",
+                   help='mode auto: "calibrate" (at load), "off" (a cold start) or a cost profile JSON')
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_offline_cli)
 
@@ -53,7 +55,8 @@ def build_engine(args, mode: str, gamma: int):
         drafter_device=drafter_device if mode != "ar" else None,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20, mode=mode,
         gamma=gamma if mode != "ar" else 0, gamma_max=max(8, gamma), seed=args.seed,
-        num_threads=args.threads, max_num_seqs=max(64, args.concurrency)))
+        num_threads=args.threads, max_num_seqs=max(64, args.concurrency),
+        planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate")))
 
 
 def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int, temperature: float,

@@ -1,8 +1,10 @@
 """Benchmark prompts: code snippets cut from files the tiny models never trained on.
 
-Two sets: ``heldout`` (continue a snippet: free-form code, little of it repeats the prompt) and
+Three sets: ``heldout`` (continue a snippet: free-form code, little of it repeats the prompt),
 ``edit`` (a function, then the same function begun again with one name changed: the output
-mostly repeats the input, as code edits and refactors do, which is where n-gram drafts pay).
+mostly repeats the input, as code edits and refactors do, which is where n-gram drafts pay) and
+``prose`` (English text, from the interpreter's own LICENSE: unlike anything the code models
+learnt).
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPTS = REPO / "models" / "prompts.jsonl"
 EDIT_PROMPTS = REPO / "models" / "edit_prompts.jsonl"
+PROSE_PROMPTS = REPO / "models" / "prose_prompts.jsonl"
 HELD_OUT_EVERY = 25   # the tiny-model trainer holds out files with index % 25 == 24
 
 
 def load_prompts(path: str | Path | None = None, n: int | None = None) -> list[str]:
     """One JSON string per line; `n` cycles through the file if it holds fewer. `path` may also
-    name a bundled set: "heldout" (the default) or "edit"."""
-    path = {"heldout": DEFAULT_PROMPTS, "edit": EDIT_PROMPTS}.get(str(path), path) if path else DEFAULT_PROMPTS
+    name a bundled set: "heldout" (the default), "edit" or "prose"."""
+    bundled = {"heldout": DEFAULT_PROMPTS, "edit": EDIT_PROMPTS, "prose": PROSE_PROMPTS}
+    path = bundled.get(str(path), path) if path else DEFAULT_PROMPTS
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} not found (make it with "
@@ -77,6 +81,13 @@ def make_edit_prompts(count: int = 64, seed: int = 0, max_lines: int = 14) -> li
     return prompts
 
 
+def make_prose_prompts(count: int = 32, seed: int = 0, chars: int = 200) -> list[str]:
+    """The first `chars` characters of each long paragraph of the stdlib's LICENSE.txt."""
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(errors="replace")
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p.strip()) > 150]
+    return [p[:chars] for p in paragraphs[:count]]
+
+
 def make_heldout_prompts(count: int = 256, seed: int = 0, min_lines: int = 3,
                          max_lines: int = 12) -> list[str]:
     held_out = _heldout_files()
@@ -99,9 +110,9 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--count", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", choices=["heldout", "edit"], default="heldout")
+    ap.add_argument("--set", choices=["heldout", "edit", "prose"], default="heldout")
     a = ap.parse_args()
-    make = make_edit_prompts if a.set == "edit" else make_heldout_prompts
+    make = {"heldout": make_heldout_prompts, "edit": make_edit_prompts, "prose": make_prose_prompts}[a.set]
     made = make(a.count, a.seed)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("".join(json.dumps(p) + "\n" for p in made))

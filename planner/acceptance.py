@@ -3,7 +3,7 @@
 * :class:`AcceptanceEstimate` — an EWMA, per gamma, of the tokens a sequential SD step commits per
   sequence; inverting ``E(alpha, gamma)`` (:func:`~planner.cost_model.expected_tokens_per_call`)
   gives the per-position acceptance alpha, averaged over the gammas seen (``alpha_prior`` until
-  an SD step is seen; recomputed at most every 64 SD observations).
+  an SD step is seen; recomputed every 8 SD observations: the cost model's prior follows it).
 * :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted
   per-token latency at a context's reference batch, at the estimated alpha: the bandit's warm
   start (only its ordering of the arms has to be right; the bandit calibrates its scale).
@@ -31,7 +31,7 @@ class AcceptanceEstimate:
 
     def alpha(self) -> float:
         alpha, at = self._cache
-        if at >= 0 and self.sd_obs - at < 64:
+        if at >= 0 and self.sd_obs - at < 8:
             return alpha
         alpha = self._alpha_uncached()
         self._cache = (alpha, self.sd_obs)

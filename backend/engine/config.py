@@ -56,6 +56,11 @@ class EngineConfig:
     offload: bool = True                        # ... and may move the drafter off the device
     planner: dict | None = None                 # Planner settings (planner/planner.py), e.g.
                                                 # {"offload_after_steps": 50, "kv_pressure": 0.9}
+    # ... starting from a cost model: "calibrate" (time the target's and the drafter's forwards
+    # at load, about a second on a CPU), "off" (the bandit starts cold), or a JSON file with a
+    # cost profile ({"verify": [[b, n, s], ...], "draft": [[b, s], ...]}, at the top level or
+    # under "profile", as `nightdraft bench compare` writes it).
+    planner_cost_profile: str = "calibrate"
     seed: int = 0
     num_threads: int | None = None              # torch intra-op threads for this process
     # CPU linear kernels: "auto" measures MKL against prepacked oneDNN per row count (once,
@@ -108,6 +113,9 @@ class EngineConfig:
         need(_is_int(self.max_waiting) and self.max_waiting >= 1, "max_waiting: must be an integer >= 1")
         need(_is_int(self.max_waiting_bytes) and self.max_waiting_bytes >= 1,
              "max_waiting_bytes: must be a positive integer")
+        need(isinstance(self.planner_cost_profile, str) and (
+            self.planner_cost_profile in ("calibrate", "off") or Path(self.planner_cost_profile).is_file()),
+            f"planner_cost_profile: 'calibrate', 'off' or a cost profile JSON file, got {self.planner_cost_profile!r}")
         if self.planner is not None:
             need(isinstance(self.planner, dict), "planner: must be an object of planner settings")
             from planner import PlannerConfig
@@ -139,8 +147,8 @@ class EngineConfig:
             raise ConfigError(f"unknown engine config key(s) {unknown}; known: {sorted(known)}")
         values = dict(raw)
         if base_dir is not None:  # checkpoint paths in engine.json are relative to the file
-            for key in ("target", "drafter"):
-                if isinstance(values.get(key), str):
+            for key in ("target", "drafter", "planner_cost_profile"):
+                if isinstance(values.get(key), str) and values[key] not in ("calibrate", "off"):
                     values[key] = str((Path(base_dir) / values[key]).resolve())
         if "target" not in values:
             raise ConfigError("target: a checkpoint directory is required")

@@ -26,6 +26,7 @@ from planner import LoadSignals, Planner, PlannerConfig
 from backend.batching.scheduler import ScheduledSeq, Scheduler
 from backend.batching.sequence import Sequence
 from backend.engine.adaptive import AdaptiveController
+from backend.engine.calibration import planner_cost_profile
 from backend.engine.commit import commit_tokens, output_of
 from backend.engine.config import ConfigError, EngineConfig
 from backend.engine.intake import Intake, Limits
@@ -97,7 +98,8 @@ class Engine:
         self.adaptive: AdaptiveController | None = None
         if config.mode == "auto":
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
-                              psd_available=self.drafter.remote, seed=config.seed)
+                              psd_available=self.drafter.remote, seed=config.seed,
+                              cost_profile=planner_cost_profile(config, self.target, self.dtype))
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
                                                drafter=self.drafter, memory=self.memory,
                                                batch_limit=config.max_num_seqs, extra_signals=extra_signals)

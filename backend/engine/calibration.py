@@ -1,0 +1,120 @@
+"""Timing bare forwards into a cost profile: what the planner's warm start and the cost model read.
+
+A :class:`~planner.cost_model.CostProfile` holds T_verify(b, n), one target forward over b
+sequences feeding n tokens each, and T_draft(b), one drafter forward over b sequences. Both are
+measured here on throw-away KV pools with ~128 tokens of context per sequence, medians of a few
+repetitions after a warm-up; the engine's own pool and sequences are never touched.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from planner.cost_model import CostProfile
+
+from backend.engine.config import ConfigError
+from backend.model.config import ModelConfig
+from backend.model.kv_cache import PagedKVCache
+from backend.speculation.drafter import Drafter
+from backend.speculation.ngram import NgramProposer
+
+CONTEXT_TOKENS = 128
+BLOCK = 16
+
+
+def time_forward(model, *, batch: int, tokens: int, device, dtype, reps: int = 5) -> float:
+    """Median seconds of one forward of `model` over `batch` sequences x `tokens` new tokens."""
+    per_seq = (CONTEXT_TOKENS + tokens) // BLOCK + 1
+    budget = batch * per_seq * PagedKVCache.bytes_per_block(model.config, BLOCK, dtype)
+    kv = PagedKVCache.for_model(model.config, budget, block_size=BLOCK, dtype=dtype, device=device)
+    ids = [f"calibrate{i}" for i in range(batch)]
+    for s in ids:
+        if not kv.ensure_capacity(s, CONTEXT_TOKENS + tokens):
+            raise RuntimeError("calibration KV pool too small")   # sized above: cannot happen
+    times = []
+    with torch.inference_mode():
+        for r in range(reps + 1):                     # the first run warms up
+            meta = model.prepare(kv, ids, [CONTEXT_TOKENS] * batch, [tokens] * batch)
+            x = torch.randint(0, model.config.vocab_size, (batch * tokens,), device=device)
+            t0 = time.perf_counter()
+            model(x, meta, kv, None)
+            if str(device).startswith("cuda"):
+                torch.cuda.synchronize(device)
+            if r:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_proposing(proposer, *, batch: int, vocab_size: int, reps: int = 5) -> float:
+    """Median seconds a :class:`~backend.speculation.proposer.Proposer` takes to propose one
+    token for each of `batch` sequences of ~128 tokens, one committed token after the last
+    round, as in steady decoding: what one draft position costs the engine, the proposer's own
+    bookkeeping and the draft distributions included (a sampled request's)."""
+    from backend.sampling.params import SamplingParams
+    from backend.speculation.proposer import DraftRequest
+
+    params = SamplingParams(max_tokens=reps + 2, temperature=1.0, seed=0)
+    rng = torch.Generator().manual_seed(0)
+    seqs = {f"calibrate{i}": torch.randint(0, vocab_size, (CONTEXT_TOKENS,), generator=rng).tolist()
+            for i in range(batch)}
+    times, sent = [], {s: 0 for s in seqs}
+    try:
+        for r in range(reps + 2):        # the first round prefills, the second warms up
+            reqs = [DraftRequest(s, toks[sent[s]:], 1, params, start=sent[s]) for s, toks in seqs.items()]
+            t0 = time.perf_counter()
+            proposer.propose(reqs)
+            if r >= 2:
+                times.append(time.perf_counter() - t0)
+            for s, toks in seqs.items():
+                sent[s] = len(toks)
+                toks.append(int(torch.randint(0, vocab_size, (1,), generator=rng)))
+    finally:
+        for s in seqs:
+            proposer.free(s)
+    return statistics.median(times)
+
+
+def measure_cost_profile(target, proposer=None, *, batches, token_counts, device, dtype,
+                         reps: int = 5) -> CostProfile:
+    """Target forwards at every (batch, tokens) pair, and with a proposer, one draft position
+    at every batch (see :func:`time_proposing`)."""
+    profile = CostProfile()
+    for b in batches:
+        for n in token_counts:
+            profile.verify[(b, n)] = time_forward(target, batch=b, tokens=n, device=device,
+                                                  dtype=dtype, reps=reps)
+        if proposer is not None:
+            profile.draft[b] = time_proposing(proposer, batch=b, vocab_size=target.config.vocab_size,
+                                              reps=reps)
+    return profile
+
+
+def planner_cost_profile(config, target, dtype) -> CostProfile | None:
+    """The cost profile mode auto's planner starts from, as ``config.planner_cost_profile`` says:
+    None ("off"), a file's, or one measured now over the batch sizes and draft lengths the planner
+    can choose (a short calibration: a few forwards per point)."""
+    import json
+
+    source = config.planner_cost_profile
+    if source == "off":
+        return None
+    if source != "calibrate":
+        try:
+            raw = json.loads(open(source).read())
+            return CostProfile.from_dict(raw.get("profile", raw))
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ConfigError(f"planner_cost_profile: {source}: not a cost profile ({e})") from None
+    batches = sorted({1, 4, 16, config.max_num_seqs})
+    tokens = sorted({1, 2, 3, 5, config.gamma_max + 1} - {n for n in (2, 3, 5) if n > config.gamma_max + 1})
+    vocab = target.config.vocab_size
+    if config.proposer == "ngram":
+        proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
+    else:     # a throw-away in-process drafter, timed where the target runs (a worker's core is alike)
+        per_seq = (CONTEXT_TOKENS + 16) // BLOCK + 1
+        dcfg = ModelConfig.from_pretrained(config.drafter)
+        proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
+                                kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype))
+    return measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
+                                device=config.device, dtype=dtype, reps=3)

@@ -1,0 +1,27 @@
+"""`nightdraft bench compare` end to end on a tiny run: the n-gram rows beside plain decoding."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_compare_puts_ngram_beside_plain_decoding(tmp_path):
+    out = tmp_path / "compare.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.cli", "bench", "compare", "--configs", "ar-1dev,ngram,ngram-auto",
+         "--prompts", "edit", "--concurrency", "1", "--max-tokens", "16", "--requests-per-level", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar-1dev", "ngram", "ngram-auto"}
+    assert rows["ar-1dev"]["over_ar-1dev"] == 1.0
+    # greedy edits repeat their prompt: n-gram drafts are made and some accepted
+    assert rows["ngram"]["acceptance_rate"] > 0 and rows["ngram"]["tokens_per_target_call"] > 1
+    assert rows["ngram"]["over_ar-1dev"] == rows["ngram"]["tokens_per_s"] / rows["ar-1dev"]["tokens_per_s"]
+    assert "x ar1" in proc.stdout and "ngram-auto" in proc.stdout
+    assert (tmp_path / "compare.png").is_file()
