@@ -7,8 +7,10 @@ repetitions after a warm-up; the engine's own pool and sequences are never touch
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -95,19 +97,18 @@ def planner_cost_profile(config, target, dtype) -> CostProfile | None:
     """The cost profile mode auto's planner starts from, as ``config.planner_cost_profile`` says:
     None ("off"), a file's, or one measured now over the batch sizes and draft lengths the planner
     can choose (a short calibration: a few forwards per point)."""
-    import json
-
     source = config.planner_cost_profile
     if source == "off":
         return None
     if source != "calibrate":
         try:
-            raw = json.loads(open(source).read())
+            raw = json.loads(Path(source).read_text())
             return CostProfile.from_dict(raw.get("profile", raw))
         except (OSError, ValueError, TypeError, AttributeError) as e:
             raise ConfigError(f"planner_cost_profile: {source}: not a cost profile ({e})") from None
     batches = sorted({1, 4, 16, config.max_num_seqs})
-    tokens = sorted({1, 2, 3, 5, config.gamma_max + 1} - {n for n in (2, 3, 5) if n > config.gamma_max + 1})
+    longest = config.gamma_max + 1                  # a verify of gamma_max drafts + the bonus token
+    tokens = sorted({n for n in (1, 2, 3, 5) if n < longest} | {longest})
     vocab = target.config.vocab_size
     if config.proposer == "ngram":
         proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
@@ -116,5 +117,8 @@ def planner_cost_profile(config, target, dtype) -> CostProfile | None:
         dcfg = ModelConfig.from_pretrained(config.drafter)
         proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
                                 kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype))
-    return measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
-                                device=config.device, dtype=dtype, reps=3)
+    try:
+        return measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
+                                    device=config.device, dtype=dtype, reps=3)
+    finally:
+        proposer.close()
