@@ -11,6 +11,7 @@ use other checkpoints; ``NIGHTDRAFT_TEST_SERVER_LOG`` writes the server log ther
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -74,6 +75,33 @@ class ServerInfo:
     @property
     def metrics_url(self) -> str:
         return self.server.metrics_url
+
+
+@contextlib.contextmanager
+def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: float = 240):
+    """A real tritonserver of its own serving only the ``nightdraft`` model, configured by
+    `engine_config` (the repository laid out by the dynamic benchmark's ``write_repository``);
+    skips without a runnable tritonserver, fails with the reason if it does not start."""
+    from client.dynamic_server import MODEL, write_repository
+    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    repo = write_repository(tmp, engine_config)
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          host="127.0.0.1", log_file=tmp / "tritonserver.log", models=[MODEL],
+                          exit_timeout_s=10)
+    server.start()
+    try:
+        server.wait_ready(ready_timeout_s)
+    except LauncherError as e:
+        server.stop(timeout_s=20)
+        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=60)
 
 
 @pytest.fixture(scope="session")

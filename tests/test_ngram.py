@@ -157,15 +157,9 @@ def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
     import torch
     from concurrent.futures import ThreadPoolExecutor
 
-    from client.dynamic_server import MODEL, write_repository
-    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
     from client.triton_client import GrpcClient
-    from conftest import test_engine_config
-    from test_triton_e2e import metrics, wait_kv_free
-    try:
-        find_tritonserver()
-    except LauncherError as e:
-        pytest.skip(f"no runnable tritonserver: {e}")
+    from conftest import nightdraft_only_server, test_engine_config
+    from test_triton_e2e import wait_kv_free
     config = test_engine_config() | {"drafter": None, "proposer": "ngram", "mode": "sd"}
     prompts = COPY_PROMPTS + FREE_PROMPTS
     threads = torch.get_num_threads()
@@ -177,14 +171,8 @@ def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
     finally:
         torch.set_num_threads(threads)
 
-    repo = write_repository(tmp_path, config)
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          host="127.0.0.1", log_file=tmp_path / "tritonserver.log", models=[MODEL],
-                          exit_timeout_s=10)
-    server.start()
-    try:
-        server.wait_ready(240)
-        client = GrpcClient(server.grpc_url, MODEL, timeout_s=120)
+    with nightdraft_only_server(tmp_path, config) as server:
+        client = GrpcClient(server.grpc_url, "nightdraft", timeout_s=120)
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: client.generate(p, max_tokens=32, temperature=0.0,
                                                           ignore_eos=True).text, prompts))
@@ -192,5 +180,3 @@ def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
         m = wait_kv_free(server)
         assert m["nightdraft_spec_decode_draft_tokens_total"] > 0
         assert m["nightdraft_spec_decode_accepted_tokens_total"] > 0
-    finally:
-        server.stop(timeout_s=60)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.triton_client import GrpcClient
-from conftest import TEST_BLOCK_SIZE, TINY_TARGET, _kv_bytes_per_block, test_engine_config
+from conftest import TEST_BLOCK_SIZE, TINY_TARGET, _kv_bytes_per_block, nightdraft_only_server, test_engine_config
 from test_triton_e2e import metrics, short_prompts, wait_kv_free
 
 pytestmark = pytest.mark.slow
@@ -36,25 +36,8 @@ def auto_engine_config() -> dict:
 
 @pytest.fixture(scope="module")
 def auto_server(tmp_path_factory):
-    from client.dynamic_server import MODEL, write_repository
-    from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
-    try:
-        find_tritonserver()
-    except LauncherError as e:
-        pytest.skip(f"no runnable tritonserver: {e}")
-    tmp = tmp_path_factory.mktemp("triton-auto")
-    repo = write_repository(tmp, auto_engine_config())
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          host="127.0.0.1", log_file=tmp / "tritonserver.log", models=[MODEL],
-                          exit_timeout_s=10)
-    server.start()
-    try:
-        server.wait_ready(240)
-    except LauncherError as e:
-        server.stop(timeout_s=20)
-        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
-    yield server
-    server.stop(timeout_s=60)
+    with nightdraft_only_server(tmp_path_factory.mktemp("triton-auto"), auto_engine_config()) as server:
+        yield server
 
 
 class GaugeWatcher(threading.Thread):
