@@ -16,6 +16,7 @@ Configurations (gamma = --gammas; with several gammas the names get a -gN suffix
   nd-sd-inproc   nightdraft SD, drafter in the target's process (vLLM's layout), all cores
   nd-psd         nightdraft batch-parallel SD, same placement as nd-sd
   nd-auto        nightdraft adaptive (mode "auto"); skipped, with the reason, where this build refuses it
+  nd-ngram       nightdraft n-gram (prompt lookup) SD, n 1-4 as vllm-ngram, one thread on the target's core(s)
   vllm-ar        vLLM plain decoding
   vllm-sd        vLLM draft-model SD (num_speculative_tokens = gamma)
   vllm-ngram     vLLM n-gram (prompt lookup) SD
@@ -56,11 +57,11 @@ RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 # load on a CPU-only host (`operator torchvision::nms does not exist`, `Could not load this
 # library ... _torchaudio.so`), and vLLM imports them when present; it runs text models without them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-ND_CONFIGS = ("nd-ar", "nd-ar-1t", "nd-sd", "nd-sd-inproc", "nd-psd", "nd-auto")
+ND_CONFIGS = ("nd-ar", "nd-ar-1t", "nd-sd", "nd-sd-inproc", "nd-psd", "nd-auto", "nd-ngram")
 VLLM_CONFIGS = ("vllm-ar", "vllm-sd", "vllm-ngram", "vllm-sched")
 # Ratio rows: (nightdraft config, vLLM config) pairs that do the same job.
 PAIRS = (("nd-ar", "vllm-ar"), ("nd-ar-1t", "vllm-ar"), ("nd-sd", "vllm-sd"), ("nd-sd-inproc", "vllm-sd"),
-         ("nd-psd", "vllm-sd"), ("nd-auto", "vllm-sched"))
+         ("nd-psd", "vllm-sd"), ("nd-auto", "vllm-sched"), ("nd-ngram", "vllm-ngram"))
 NEAR_TIE = 1e-3   # reference logit gap (top-1 minus the other system's token) below which we call it a tie
 
 
@@ -311,6 +312,10 @@ def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int]
             build(name, dict(mode="ar", gamma=0), cores, len(cores))
         elif name == "nd-ar-1t":
             build(name, dict(mode="ar", gamma=0), rest, len(rest))
+        elif name == "nd-ngram":
+            lo, hi = (int(x) for x in args.ngram.split("-"))
+            build(name, dict(mode="sd", proposer="ngram", ngram_min=lo, ngram_max=hi, gamma=gammas[0]),
+                  rest, len(rest))
         elif name == "nd-auto":
             build(name, dict(mode="auto", drafter=args.drafter, gamma=gammas[0],
                              drafter_device=drafter_core), cores, len(rest))

@@ -57,7 +57,7 @@ class EngineConfig:
     planner: dict | None = None                 # Planner settings (planner/planner.py), e.g.
                                                 # {"offload_after_steps": 50, "kv_pressure": 0.9}
     # ... starting from a cost model: "calibrate" (time the target's and the drafter's forwards
-    # at load, about a second on a CPU), "off" (the bandit starts cold), or a JSON file with a
+    # at load, 1-3 s on a small CPU), "off" (the bandit starts cold), or a JSON file with a
     # cost profile ({"verify": [[b, n, s], ...], "draft": [[b, s], ...]}, at the top level or
     # under "profile", as `nightdraft bench compare` writes it).
     planner_cost_profile: str = "calibrate"

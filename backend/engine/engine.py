@@ -29,7 +29,7 @@ from backend.engine.adaptive import AdaptiveController
 from backend.engine.calibration import planner_cost_profile
 from backend.engine.commit import commit_tokens, output_of
 from backend.engine.config import ConfigError, EngineConfig
-from backend.engine.intake import Intake, Limits
+from backend.engine.intake import Intake, Limits, context_limit
 from backend.engine.memory import ElasticMemory
 from backend.engine.offline import Completion, generate
 from backend.engine.outputs import EngineStats, RequestOutput, StepStats
@@ -71,7 +71,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_pretrained(config.target, eos_token_ids=mc.eos_token_ids)
         self.kv = PagedKVCache.for_model(mc, config.kv_cache_bytes, block_size=config.block_size,
                                          dtype=self.dtype, device=config.device)
-        self.max_model_len = self._context_limit(config, mc.max_position_embeddings)
+        self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
+                                           self.kv.num_blocks, self.kv.block_size)
         # Any text longer than this tokenizes into more than max_model_len tokens (no token
         # spells more than max_token_bytes), so it is refused before tokenizing; 2x for
         # normalisers that shorten text.
@@ -107,22 +108,6 @@ class Engine:
         self._stats = EngineStats()
         self._prev_busy_end: float | None = None    # end of the last step that left work to do
         self._reload_s: float | None = None         # a reload's duration, not yet reported
-
-    def _context_limit(self, config: EngineConfig, model_max: int) -> int:
-        """max_model_len: at most the model's positions and what the KV pool holds with the
-        drafter on the device, so every admitted request can run to its end in that pool
-        (the pool may shrink back to it at any time; see backend.engine.memory)."""
-        pool_tokens = self.kv.num_blocks * self.kv.block_size
-        if config.max_model_len is not None:
-            if config.max_model_len > pool_tokens:
-                raise ConfigError(
-                    f"max_model_len: {config.max_model_len} tokens do not fit the KV pool "
-                    f"({self.kv.num_blocks} blocks of {self.kv.block_size} = {pool_tokens} "
-                    f"tokens); raise kv_cache_bytes or lower max_model_len")
-            return min(config.max_model_len, model_max)
-        if pool_tokens < model_max:
-            log.info("max_model_len %d: what the KV pool holds (the model takes %d)", pool_tokens, model_max)
-        return min(model_max, pool_tokens)
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
         vocab = self.target.config.vocab_size

@@ -7,6 +7,7 @@ request starts running and when it ends, which is what the queue limits count.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -14,10 +15,29 @@ from dataclasses import dataclass
 import torch
 
 from backend.batching.sequence import Sequence
+from backend.engine.config import ConfigError
 from backend.errors import InvalidRequest, ServerBusy
 from backend.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from backend.sampling.params import SamplingParams
 from backend.sampling.sampler import make_generator
+
+log = logging.getLogger("nightdraft.engine")
+
+
+def context_limit(requested: int | None, model_max: int, pool_blocks: int, block_size: int) -> int:
+    """max_model_len: at most the model's positions and what the KV pool holds with the
+    drafter on the device, so every admitted request can run to its end in that pool (the pool
+    may shrink back to it at any time; see backend.engine.memory)."""
+    pool_tokens = pool_blocks * block_size
+    if requested is not None:
+        if requested > pool_tokens:
+            raise ConfigError(
+                f"max_model_len: {requested} tokens do not fit the KV pool ({pool_blocks} blocks "
+                f"of {block_size} = {pool_tokens} tokens); raise kv_cache_bytes or lower max_model_len")
+        return min(requested, model_max)
+    if pool_tokens < model_max:
+        log.info("max_model_len %d: what the KV pool holds (the model takes %d)", pool_tokens, model_max)
+    return min(model_max, pool_tokens)
 
 
 @dataclass(frozen=True)
