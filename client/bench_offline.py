@@ -40,6 +40,8 @@ def add_offline_parser(bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner-cost-profile", default="calibrate",
                    help='mode auto: "calibrate" (at load), "off" (a cold start) or a cost profile JSON')
+    p.add_argument("--no-lend-drafter-cores", dest="lend_drafter_cores", action="store_false",
+                   help="mode auto, drafter on its own cores: keep them with the drafter while plain decoding runs")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_offline_cli)
 
@@ -56,7 +58,8 @@ def build_engine(args, mode: str, gamma: int):
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20, mode=mode,
         gamma=gamma if mode != "ar" else 0, gamma_max=max(8, gamma), seed=args.seed,
         num_threads=args.threads, max_num_seqs=max(64, args.concurrency),
-        planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate")))
+        planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate"),
+        lend_drafter_cores=getattr(args, "lend_drafter_cores", True)))
 
 
 def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int, temperature: float,

@@ -20,13 +20,24 @@ from backend.engine.memory import ElasticMemory
 from backend.engine.outputs import StepStats
 from backend.model.kv_cache import PagedKVCache
 from backend.speculation.manager import DrafterManager
+from backend.speculation.placement import CpuPlacement
 
 
 class AdaptiveController:
+    # Plain-decoding steps in a row before the drafter's CPU cores join the target's forward.
+    # Moving them costs a few microseconds (affinity + thread count, measured), so from the first:
+    # then the bandit's plain-decoding arm is measured as what it is, the target on every core.
+    LEND_AFTER_STEPS = 1
+
     def __init__(self, planner: Planner, *, scheduler: Scheduler, kv: PagedKVCache,
                  drafter: DrafterManager, memory: ElasticMemory | None, batch_limit: int,
-                 extra_signals: Callable[[LoadSignals], LoadSignals] | None = None):
+                 extra_signals: Callable[[LoadSignals], LoadSignals] | None = None,
+                 placement: CpuPlacement | None = None):
+        """`placement`: the CPU placement whose drafter cores serve the target while speculation
+        is off (None: the cores stay with the drafter)."""
         self.planner = planner
+        self.placement = placement
+        self._ar_steps = 0
         self.scheduler = scheduler
         self.kv = kv
         self.drafter = drafter
@@ -45,6 +56,9 @@ class AdaptiveController:
         decision = self.planner.decide(signals)
         mem = self.memory
         if decision.gamma > 0:
+            self._ar_steps = 0
+            if self.placement is not None:
+                self.placement.take_back_drafter_cores()
             if self.drafter.offloaded and mem is not None:
                 mem.start_reload()          # decode plainly until the weights are back
             if not self.drafter.available:
@@ -52,6 +66,9 @@ class AdaptiveController:
             return decision.mode, decision.gamma
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
             mem.offload()
+        self._ar_steps += 1
+        if self.placement is not None and self._ar_steps >= self.LEND_AFTER_STEPS:
+            self.placement.lend_drafter_cores()
         return "ar", 0
 
     def _snapshot(self) -> LoadSignals:

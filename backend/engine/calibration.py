@@ -93,10 +93,12 @@ def measure_cost_profile(target, proposer=None, *, batches, token_counts, device
     return profile
 
 
-def planner_cost_profile(config, target, dtype) -> CostProfile | None:
+def planner_cost_profile(config, target, dtype, lending=None) -> CostProfile | None:
     """The cost profile mode auto's planner starts from, as ``config.planner_cost_profile`` says:
     None ("off"), a file's, or one measured now over the batch sizes and draft lengths the planner
-    can choose (a short calibration: a few forwards per point)."""
+    can choose (a short calibration: a few forwards per point). With `lending` (the CPU placement
+    whose drafter cores join the target while plain decoding runs), the one-token forwards, which
+    only plain decoding runs, are timed on the lent cores, as they will run."""
     source = config.planner_cost_profile
     if source == "off":
         return None
@@ -118,7 +120,16 @@ def planner_cost_profile(config, target, dtype) -> CostProfile | None:
         proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
                                 kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype))
     try:
-        return measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
-                                    device=config.device, dtype=dtype, reps=3)
+        profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
+                                       device=config.device, dtype=dtype, reps=3)
     finally:
         proposer.close()
+    if lending is not None:
+        lending.lend_drafter_cores()
+        try:
+            for b in batches:
+                profile.verify[(b, 1)] = time_forward(target, batch=b, tokens=1, device=config.device,
+                                                      dtype=dtype, reps=3)
+        finally:
+            lending.take_back_drafter_cores()
+    return profile

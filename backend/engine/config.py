@@ -61,6 +61,9 @@ class EngineConfig:
     # cost profile ({"verify": [[b, n, s], ...], "draft": [[b, s], ...]}, at the top level or
     # under "profile", as `nightdraft bench compare` writes it).
     planner_cost_profile: str = "calibrate"
+    # ... and, with the drafter a worker on CPU cores of its own, those cores join the target's
+    # forward (one more torch thread each) while plain decoding runs, and go back before drafting.
+    lend_drafter_cores: bool = True
     seed: int = 0
     num_threads: int | None = None              # torch intra-op threads for this process
     # CPU linear kernels: "auto" measures MKL against prepacked oneDNN per row count (once,
@@ -107,6 +110,7 @@ class EngineConfig:
         need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
+        need(isinstance(self.lend_drafter_cores, bool), "lend_drafter_cores: must be true or false")
         need(self.linear_kernels in ("auto", "mkl"), "linear_kernels: 'auto' or 'mkl'")
         need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
              "max_prompt_bytes: must be a positive integer")

@@ -98,12 +98,14 @@ class Engine:
         self._strategy = self._strategies["ar"]
         self.adaptive: AdaptiveController | None = None
         if config.mode == "auto":
+            lending = self._placement if config.lend_drafter_cores else None
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
                               psd_available=self.drafter.remote, seed=config.seed,
-                              cost_profile=planner_cost_profile(config, self.target, self.dtype))
+                              cost_profile=planner_cost_profile(config, self.target, self.dtype, lending))
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
                                                drafter=self.drafter, memory=self.memory,
-                                               batch_limit=config.max_num_seqs, extra_signals=extra_signals)
+                                               batch_limit=config.max_num_seqs, extra_signals=extra_signals,
+                                               placement=lending)
         self._seqs: dict[str, Sequence] = {}  # ids the step thread knows about
         self._stats = EngineStats()
         self._prev_busy_end: float | None = None    # end of the last step that left work to do

@@ -42,11 +42,29 @@ class CpuPlacement:
     """The target process pinned to its share of the cores; `drafter_cores` for the worker."""
 
     def __init__(self, drafter_device: str, num_threads: int | None):
-        self.drafter_cores, target_cores = plan_cpu_placement(drafter_device)
+        self.drafter_cores, self.target_cores = plan_cpu_placement(drafter_device)
         self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
-        os.sched_setaffinity(0, target_cores)
+        os.sched_setaffinity(0, self.target_cores)
         if not num_threads:
-            torch.set_num_threads(len(target_cores))
+            torch.set_num_threads(len(self.target_cores))
+        self.target_threads = num_threads or len(self.target_cores)   # the engine sets num_threads
+        self.lent = False          # the drafter's cores serve the target now
+
+    def lend_drafter_cores(self) -> None:
+        """While nothing drafts (plain decoding for a while, or the drafter offloaded), the
+        target's forward runs on the drafter's cores too, one more thread per core; the worker
+        stays pinned to them, idle. Call from the thread that runs the forwards."""
+        if not self.lent and self._saved is not None:
+            os.sched_setaffinity(0, self.target_cores + self.drafter_cores)
+            torch.set_num_threads(self.target_threads + len(self.drafter_cores))
+            self.lent = True
+
+    def take_back_drafter_cores(self) -> None:
+        """Before the drafter drafts again: the target back on its own cores and threads."""
+        if self.lent and self._saved is not None:
+            os.sched_setaffinity(0, self.target_cores)
+            torch.set_num_threads(self.target_threads)
+            self.lent = False
 
     @classmethod
     def for_config(cls, drafter_device: str | None, num_threads: int | None) -> "CpuPlacement | None":
