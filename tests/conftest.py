@@ -77,6 +77,17 @@ class ServerInfo:
         return self.server.metrics_url
 
 
+def start_ready(server, timeout_s: float) -> None:
+    """Start a TritonServer and wait until it is ready; fail the test with the reason if not."""
+    from client.launcher import LauncherError
+    server.start()
+    try:
+        server.wait_ready(timeout_s)
+    except LauncherError as e:
+        server.stop(timeout_s=20)
+        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+
+
 @contextlib.contextmanager
 def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: float = 240):
     """A real tritonserver of its own serving only the ``nightdraft`` model, configured by
@@ -92,12 +103,7 @@ def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: floa
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           host="127.0.0.1", log_file=tmp / "tritonserver.log", models=[MODEL],
                           exit_timeout_s=10)
-    server.start()
-    try:
-        server.wait_ready(ready_timeout_s)
-    except LauncherError as e:
-        server.stop(timeout_s=20)
-        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    start_ready(server, ready_timeout_s)
     try:
         yield server
     finally:
@@ -125,12 +131,7 @@ def triton_server(tmp_path_factory):
     log_file = Path(os.environ.get("NIGHTDRAFT_TEST_SERVER_LOG", tmp / "tritonserver.log"))
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           host="127.0.0.1", log_file=log_file, exit_timeout_s=10)
-    server.start()
-    try:
-        server.wait_ready(SERVER_READY_TIMEOUT_S)
-    except LauncherError as e:
-        server.stop(timeout_s=20)
-        pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
+    start_ready(server, SERVER_READY_TIMEOUT_S)
     info = ServerInfo(server=server, repository=repo, engine_config=cfg, log_file=log_file)
     yield info
     rc = server.stop(timeout_s=60)

@@ -59,7 +59,11 @@ def make_engine(mode: str) -> Engine:
     return Engine(EngineConfig(
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode=mode, gamma=3, gamma_max=4,
         drafter_device="cpu", kv_cache_bytes=BASE_BLOCKS * block_bytes(), planner=planner,
-        drafter_timeout_s=1.0, drafter_restart_s=0.2))
+        drafter_timeout_s=1.0, drafter_restart_s=0.2,
+        # The drafter's cores stay with it: lent to plain decoding, two cores of plain decoding
+        # can beat SD at the trickle, and the planner then rightly never reloads the drafter;
+        # these tests need every phase of the protocol to happen.
+        lend_drafter_cores=False))
 
 
 # ---- how a fault is delivered ---------------------------------------------------------------------
