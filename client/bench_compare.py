@@ -31,6 +31,7 @@ import torch
 from planner.cost_model import CostProfile, predict, psd_speedup_bound
 from client.bench_offline import add_engine_args
 from client.prompts import load_prompts
+from client.plotting import pyplot
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
 NGRAM_CONFIGS = ("ngram", "ngram-auto", "ngram-auto-cold")
@@ -253,12 +254,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def draw(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed; no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["config"] for r in rows):

@@ -19,7 +19,6 @@ Writes JSON, prints a table and draws a stacked-bar plot (PNG next to the JSON).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from client.bench_offline import add_engine_args
 from client.prompts import load_prompts
+from client.plotting import pyplot
 
 PHASES = ("schedule", "draft", "prepare", "forward", "verify", "commit", "other")
 CONFIGS = ("ar", "sd", "psd")
@@ -229,12 +229,8 @@ def _fmt(v) -> str:
 
 
 def draw(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in rows if "step_ms" in r]
     labels = [f"{r['config']}{'*' if r.get('server') else ''}\nc={r['concurrency']}" for r in rows]

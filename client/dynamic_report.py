@@ -10,8 +10,9 @@ of the fixed configurations is the noise that the ratios are read against.
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass, field
+
+from client.plotting import pyplot
 
 METRICS = ("throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s")
 FIXED = ("ar", "sd", "psd")
@@ -154,12 +155,8 @@ def format_table(report: dict) -> str:
 
 
 def draw(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed; no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=False)
     colours = {"adaptive": "tab:red", "adaptive_no_offload": "tab:blue"}

@@ -9,7 +9,6 @@ input); the latter must not disturb anything either.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 import urllib.error
@@ -17,6 +16,8 @@ import urllib.request
 
 import numpy as np
 import pytest
+
+from test_triton_e2e import is_final, stream_request
 
 pytestmark = pytest.mark.slow
 
@@ -93,44 +94,20 @@ CATALOGUE = {
 
 
 def infer_raw(server, inputs, model: str = "nightdraft"):
-    """One request on its own stream; (text of the responses, error messages, final flag seen)."""
+    """One request on its own stream; (text of the responses, error messages, final flag seen:
+    an error ends the request, its final flag comes with it)."""
     import tritonclient.grpc as grpcclient
 
-    cl = grpcclient.InferenceServerClient(server.grpc_url)
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    cl.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=T)
     ins = []
     for name, arr, dt in inputs:
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         ins.append(t)
-    errors, texts, final = [], [], False
-    try:
-        cl.async_stream_infer(model, ins, enable_empty_final_response=True)
-        deadline = time.monotonic() + T
-        while time.monotonic() < deadline:
-            try:
-                result, error = q.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if error is not None:
-                errors.append(error.message() if hasattr(error, "message") else str(error))
-                final = True     # an error ends the request (its final flag comes with it)
-                break
-            out = result.as_numpy("text_output")
-            if out is not None:
-                texts += [x.decode() for x in out.reshape(-1)]
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                final = True
-                break
-    finally:
-        closer = threading.Thread(target=cl.stop_stream, kwargs={"cancel_requests": False}, daemon=True)
-        closer.start()
-        closer.join(15)
-        stream_closed = not closer.is_alive()
-        if stream_closed:
-            cl.close()
-    return "".join(texts), errors, final and stream_closed
+    responses, errors, closed = stream_request(server, ins, model)
+    texts = [x.decode() for r in responses if (out := r.as_numpy("text_output")) is not None
+             for x in out.reshape(-1)]
+    final = bool(errors) or bool(responses) and is_final(responses[-1])
+    return "".join(texts), errors, final and closed
 
 
 @pytest.fixture(scope="module")

@@ -282,41 +282,55 @@ def test_non_streamed_request_can_be_cancelled_too(triton_server):
 # ------------------------------------------------------------------------------ bad input
 
 
-def _grpc_raw(server, inputs: list[tuple[str, object, str]], model="nightdraft"):
-    """Send one request on a fresh stream; return (responses, errors, closed_in_time). The stream
-    closes only after the model sent the final flag, so closed_in_time proves the flag came."""
+def stream_request(server, ins: list, model: str = "nightdraft"):
+    """Send one request (a list of InferInput) on a fresh stream; return (responses, errors,
+    closed_in_time). The stream closes only after the model sent the final flag, so
+    closed_in_time proves the flag came."""
     import tritonclient.grpc as grpcclient
 
     cl = grpcclient.InferenceServerClient(server.grpc_url)
     q = queue.SimpleQueue()
     cl.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=T)
+    responses, errors = [], []
+    try:
+        cl.async_stream_infer(model, ins, enable_empty_final_response=True)
+        deadline = time.monotonic() + T
+        while time.monotonic() < deadline:
+            try:
+                result, error = q.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if error is not None:
+                errors.append(error.message() if hasattr(error, "message") else str(error))
+                break
+            responses.append(result)
+            if is_final(result):
+                break
+    finally:
+        closer = threading.Thread(target=cl.stop_stream, kwargs={"cancel_requests": False}, daemon=True)
+        closer.start()
+        closer.join(15)
+        closed = not closer.is_alive()
+        if closed:
+            cl.close()
+    return responses, errors, closed
+
+
+def is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def _grpc_raw(server, inputs: list[tuple[str, object, str]], model="nightdraft"):
+    """:func:`stream_request` with inputs given as (name, value, datatype)."""
+    import tritonclient.grpc as grpcclient
+
     ins = []
     for name, val, dt in inputs:
         arr = np.array([val], dtype=np.object_ if dt == "BYTES" else {"BOOL": bool, "INT32": np.int32}[dt])
         t = grpcclient.InferInput(name, list(arr.shape), dt)
         t.set_data_from_numpy(arr)
         ins.append(t)
-    cl.async_stream_infer(model, ins, enable_empty_final_response=True)
-    responses, errors = [], []
-    deadline = time.monotonic() + T
-    while time.monotonic() < deadline:
-        try:
-            result, error = q.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if error is not None:
-            errors.append(error.message() if hasattr(error, "message") else str(error))
-            break
-        responses.append(result)
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            break
-    closer = threading.Thread(target=cl.stop_stream, kwargs={"cancel_requests": False}, daemon=True)
-    closer.start()
-    closer.join(15)
-    closed = not closer.is_alive()
-    if closed:
-        cl.close()
-    return responses, errors, closed
+    return stream_request(server, ins, model)
 
 
 LONG_PROMPT = "x = 1\n" * 3000
