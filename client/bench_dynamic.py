@@ -1,8 +1,10 @@
 """`nightdraft bench dynamic`: a load that changes, and who copes with it.
 
-Poisson arrivals in phases low -> high -> low, with rates set from the machine's measured
-capacity and a tight KV budget, so that the high phase queues and memory pressure is real. The
-same arrival schedule (same seed) is replayed, in real time, against each configuration:
+Poisson arrivals in phases (a load shape, ``--shape``: low -> high -> low steps, a ramp, bursty
+on/off periods, or short chats and long generations mixed; `client.load_shapes`), with rates set
+from the machine's measured capacity and a tight KV budget, so that the high phases queue and
+memory pressure is real. The same arrival schedule (same seed) is replayed, in real time, against
+each configuration:
 
   ar                   plain decoding
   sd                   sequential SD, fixed gamma
@@ -18,52 +20,60 @@ In-process by default (the engine stepped by this process); ``--server`` sends t
 through a real tritonserver over gRPC, one server per configuration (`client.dynamic_server`).
 ``--repeats N`` runs every configuration N times, interleaved (the order rotates each round, so a
 slow spell of a shared machine does not land on one configuration), and reports medians and the
-run-to-run spread. Per phase and overall: throughput, TTFT, TPOT, end-to-end latency (mean,
-p99); the planner's gamma/mode timeline, offload events and switches; adaptive's ratios to the
-best fixed configuration of each phase and to each fixed one overall (`client.dynamic_report`).
+run-to-run spread. Per phase and overall: throughput, goodput (the tokens of requests that met
+both latency targets, ``--slo-ttft`` and ``--slo-tpot``, per second), TTFT and TPOT p50/p99,
+end-to-end latency (mean, p99) and the time share of each mode; the planner's gamma/mode
+timeline, offload events and switches; adaptive's ratios to the best fixed configuration of
+each phase and to each fixed one overall (`client.dynamic_report`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from client import dynamic_report as report_mod
 from client.bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
-from client.dynamic_report import Record, RunResult
+from client.dynamic_report import Record, RunResult, Targets
+from client.load_shapes import SHAPES, Arrival, schedule
 from client.prompts import load_prompts
 
 CONFIGS = ("ar", "sd", "psd", "adaptive", "adaptive_no_offload")
-PHASES = (("low", 0.25, 1.0), ("high", 1.6, 1.5), ("low", 0.25, 1.0))   # name, rate x capacity, length x base
 BASE_PHASE_S = 20.0
 TIMELINE_EVERY_S = 0.25     # the timeline records every change of mode, and samples the queue
 
 
 def add_dynamic_parser(bench_sub) -> None:
-    p = bench_sub.add_parser("dynamic", help="low -> high -> low Poisson load: fixed vs adaptive",
+    p = bench_sub.add_parser("dynamic", help="changing Poisson load (steps, ramp, bursty, mixed): fixed vs adaptive",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=str(DEFAULT_TARGET))
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
     p.add_argument("--prompts", default=None, help="file with one JSON string per line")
     p.add_argument("--json", default="bench-dynamic.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    p.add_argument("--shape", default="steps", choices=SHAPES, help="the load shape (see above)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help=f"multiplies every phase's length (base {BASE_PHASE_S:.0f} s; the high phase "
-                        "1.5x that); 0.4 runs one repeat of the whole comparison in about 4 minutes")
+                   help=f"multiplies every phase's length (base {BASE_PHASE_S:.0f} s; steps' high "
+                        "phase 1.5x that); 0.4 runs one repeat of the steps comparison in about 4 minutes")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration, interleaved")
     p.add_argument("--server", action="store_true",
                    help="through a real tritonserver over gRPC (one server per configuration)")
     p.add_argument("--capacity", type=float, default=None,
                    help="requests/s plain decoding sustains (default: measured first, the same way "
                         "the runs go: in-process, or through the server)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens per request (the mixed shape: a quarter of it and twice it)")
+    p.add_argument("--slo-ttft", type=float, default=None,
+                   help="goodput's TTFT target in seconds (default: the time plain decoding with 16 "
+                        "in flight takes for one whole request, from the capacity probe)")
+    p.add_argument("--slo-tpot", type=float, default=None,
+                   help="goodput's TPOT target in seconds (default: 1.5x plain decoding's TPOT with "
+                        "16 in flight, from the capacity probe)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--gamma", type=int, default=3, help="gamma of the fixed sd and psd configs")
     p.add_argument("--gamma-max", type=int, default=4, help="the planner's largest gamma")
@@ -73,30 +83,6 @@ def add_dynamic_parser(bench_sub) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_dynamic_cli)
-
-
-@dataclass
-class Arrival:
-    t: float
-    phase: int
-    prompt: str
-
-
-def schedule(prompts: list[str], capacity: float, scale: float, seed: int) -> tuple[list[Arrival], list[tuple[float, float]]]:
-    rng = random.Random(seed)
-    arrivals, bounds, t0 = [], [], 0.0
-    for i, (_, rate_x, length_x) in enumerate(PHASES):
-        length = BASE_PHASE_S * length_x * scale
-        rate = rate_x * capacity
-        t = t0
-        while True:
-            t += rng.expovariate(rate)
-            if t >= t0 + length:
-                break
-            arrivals.append(Arrival(t, i, prompts[len(arrivals) % len(prompts)]))
-        bounds.append((t0, t0 + length))
-        t0 += length
-    return arrivals, bounds
 
 
 def engine_config(name: str, args) -> dict:
@@ -147,7 +133,7 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
     while nxt < len(arrivals) or engine.has_unfinished():
         now = time.perf_counter() - start
         while nxt < len(arrivals) and arrivals[nxt].t <= now:
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+            params = SamplingParams(max_tokens=arrivals[nxt].max_tokens, temperature=args.temperature,
                                     ignore_eos=True, seed=args.seed + nxt)
             engine.add_request(str(nxt), arrivals[nxt].prompt, params)
             nxt += 1
@@ -216,6 +202,14 @@ def _place_target(cores: list[int]) -> None:
     torch.set_num_threads(1)
 
 
+def default_targets(capacity_req_s: float, args) -> Targets:
+    """Goodput's targets: given, or from the capacity probe (16 requests in flight): TTFT within
+    the time one whole request takes there, TPOT within 1.5x that request's per-token time."""
+    request_s = 16.0 / capacity_req_s
+    return Targets(ttft_s=args.slo_ttft if args.slo_ttft is not None else request_s,
+                   tpot_s=args.slo_tpot if args.slo_tpot is not None else 1.5 * request_s / args.max_tokens)
+
+
 def run_dynamic_cli(args) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -235,10 +229,13 @@ def run_dynamic_cli(args) -> int:
         capacity = measure_capacity_on_server(engine_config("ar", args), prompts, args)
     else:
         capacity = measure_capacity(args, prompts)
-    arrivals, bounds = schedule(prompts, capacity, args.scale, args.seed)
+    arrivals, bounds, plan = schedule(args.shape, prompts, capacity, args.max_tokens,
+                                      BASE_PHASE_S * args.scale, args.seed)
+    targets = default_targets(capacity, args)
     where = "through tritonserver (gRPC)" if args.server else "in-process"
-    print(f"capacity ~{capacity:.2f} req/s; {len(arrivals)} requests over {bounds[-1][1]:.0f} s in "
-          f"phases {[p[0] for p in PHASES]}; {len(names)} configs x {args.repeats} repeats, {where}",
+    print(f"capacity ~{capacity:.2f} req/s; {len(arrivals)} requests over {bounds[-1][1]:.0f} s, "
+          f"shape {args.shape} {[p.name for p in plan]}; goodput targets TTFT <= {targets.ttft_s:.3f} s, "
+          f"TPOT <= {targets.tpot_s:.4f} s; {len(names)} configs x {args.repeats} repeats, {where}",
           file=sys.stderr)
     runs: dict[str, list[RunResult]] = {n: [] for n in names}
     for rep in range(args.repeats):
@@ -247,14 +244,15 @@ def run_dynamic_cli(args) -> int:
             t0 = time.perf_counter()
             run = run_one(name, arrivals, bounds, args, cores)
             runs[name].append(run)
-            s = report_mod.summarise(run)["overall"]
+            s = report_mod.summarise(run, targets)["overall"]
             print(f"  [{rep + 1}/{args.repeats}] {name:<20} {time.perf_counter() - t0:5.1f} s: "
-                  f"{s['throughput_tok_s']:.0f} tok/s, TTFT {s['ttft_mean_s']:.3f} s, "
+                  f"{s['throughput_tok_s']:.0f} tok/s, goodput {s['goodput_tok_s']:.0f}, "
+                  f"TTFT {s['ttft_mean_s']:.3f} s, "
                   f"e2e {s['e2e_mean_s']:.3f} s" + (f", {s['failed']} failed" if s["failed"] else "")
                   + _planner_line(run), file=sys.stderr)
     os.sched_setaffinity(0, cores)
 
-    summaries = {n: [report_mod.summarise(r) for r in rs] for n, rs in runs.items()}
+    summaries = {n: [report_mod.summarise(r, targets) for r in rs] for n, rs in runs.items()}
     configs = {}
     for n in names:
         configs[n] = report_mod.median_summary(summaries[n])
@@ -274,15 +272,19 @@ def run_dynamic_cli(args) -> int:
                             "events": first.events, "timeline": first.timeline,
                             "arm_counts": first.arm_counts}
             break
-    report = {"where": "server" if args.server else "in-process", "capacity_req_s": capacity,
-              "scale": args.scale, "repeats": args.repeats, "kv_blocks": args.kv_blocks,
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "gamma": args.gamma,
-              "phases": [{"name": n, "rate_req_s": x * capacity, "start_s": lo, "end_s": hi,
-                          "requests": sum(a.phase == i for a in arrivals)}
-                         for i, ((n, x, _), (lo, hi)) in enumerate(zip(PHASES, bounds))],
+    report = {"where": "server" if args.server else "in-process", "shape": args.shape,
+              "capacity_req_s": capacity, "scale": args.scale, "repeats": args.repeats,
+              "kv_blocks": args.kv_blocks, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "gamma": args.gamma,
+              "targets": {"ttft_s": targets.ttft_s, "tpot_s": targets.tpot_s},
+              "phases": [{"name": ph.name, "demand_x_capacity": ph.rate_x, "start_s": lo, "end_s": hi,
+                          "requests": sum(a.phase == i for a in arrivals),
+                          "tokens_asked": sum(a.max_tokens for a in arrivals if a.phase == i)}
+                         for i, (ph, (lo, hi)) in enumerate(zip(plan, bounds))],
               "configs": configs, "planner": planner_info,
               "noise": report_mod.noise(summaries),
               "regret": report_mod.regret(configs, len(bounds))}
+    report["goals"] = report_mod.goals(report)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(report_mod.format_table(report))

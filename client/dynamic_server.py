@@ -201,7 +201,7 @@ def _replay(client, metrics_url, arrivals, bounds, args, scrape_s, client_error)
     def one(i: int) -> None:
         r, a = records[i], arrivals[i]
         try:
-            for ch in client.stream(a.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            for ch in client.stream(a.prompt, max_tokens=a.max_tokens, temperature=args.temperature,
                                     seed=args.seed + i, ignore_eos=True):
                 t = time.monotonic() - start
                 if ch.text and r.first_token is None:

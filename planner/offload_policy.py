@@ -18,11 +18,22 @@ Under sustained pressure the planner asks for an offload when either
   comes from what the planner measured (:meth:`MemoryRule.estimate`, the planner's
   ``offload_gain``); ``offload_gain <= 0`` offloads on sustained pressure alone.
 
+Both roads also need demand above capacity (``offload_demand_ratio``): the tokens per second
+arriving (:mod:`planner.demand`, a few seconds' average), plus the tokens the waiting requests
+still ask for spread over ``backlog_clear_s``, must be at least that ratio times the tokens per
+second the running arm delivers at the batch that fits now: the queue would grow, or would not
+clear in time. Requests can wait and the pool be full while demand is within the running arm's
+capacity (a short burst that the arm drains); an offload then only makes every request's TPOT
+worse at a larger batch, so it is not taken. Unknown demand or capacity leaves the pressure
+rules to decide alone.
+
 Once offloaded, plain decoding is held while the load would not fit the drafter-on pool (a
 reload then would shrink the pool under running requests and preempt them): the pressure level
 must have fallen below ``clear_level`` and the used blocks below ``reload_kv_usage`` of that pool
 (default: 0.8 x ``kv_pressure``, room for the running requests to grow), for ``reload_after_s``
-seconds. Then the bandit may choose speculation again and the engine reloads. The thresholds
+seconds, and demand must be within the speculative arms' capacity as far as it is measured at
+this batch (a lull inside a burst is not the end of the burst). Then the bandit may choose
+speculation again and the engine reloads. The thresholds
 apart (a level of one half to offload, ``clear_level`` to come back; ``kv_pressure`` against
 ``reload_kv_usage``) are the hysteresis that keeps the drafter from bouncing. An offload taken on
 the memory-aware road is checked (:class:`OffloadCheck`): if plain decoding with the grown pool
@@ -181,6 +192,7 @@ class MemoryRule:
         self.check: OffloadCheck | None = None
         self._road_closed = False        # an offload did not pay: not again in this overload
         self.verdicts = {"paid": 0, "missed": 0}
+        self.last_demand_ratio: float | None = None   # demand / the arm's capacity, last asked
 
     def hold(self, s: LoadSignals, now: float, step: int) -> bool:
         """Once per step, before deciding: must this step decode plainly? (While the drafter's
@@ -193,7 +205,8 @@ class MemoryRule:
             self._road_closed = False           # that overload is over
         if self.drafter.offloaded:
             self.for_kv = False
-            hold = not pol.may_reload(now) and not self._missed(step)
+            hold = ((not pol.may_reload(now) or self.demand_over(s, speculative=True) is True)
+                    and not self._missed(step))
         else:
             self.check = None
             hold = self.for_kv = self._weigh(s, now, step)
@@ -211,7 +224,8 @@ class MemoryRule:
         if self.for_kv or s.kv_growth_if_offloaded is None or step % self.cfg.gain_check_every:
             return self.for_kv
         est = self.estimate(s)
-        pays = self.policy.gain_pays(est[0] if est else None)
+        pays = (self.policy.gain_pays(est[0] if est else None)
+                and self.demand_over(s, speculative=True) is not False)
         self._claim = est if est and pays else None
         return pays
 
@@ -247,13 +261,31 @@ class MemoryRule:
         step0, t0 = ar_since
         sustained = (step - step0 + 1 >= self.cfg.offload_after_steps
                      and now - t0 >= self.cfg.offload_after_s)
-        want = (sustained and self.policy.memory_pressure(s)) or (
+        want = (sustained and self.policy.memory_pressure(s)
+                and self.demand_over(s, speculative=False) is not False) or (
             self.for_kv and not self.drafter.offloaded)
         if want and not self.drafter.offload_wanted:
             self.offload_requests += 1
         if want:
             self.drafter.offload_asked()
         return want
+
+    def demand_over(self, s: LoadSignals, *, speculative: bool) -> bool | None:
+        """Is demand (arrivals, and the backlog over ``backlog_clear_s``) at least
+        ``offload_demand_ratio`` x the capacity of the best measured speculative arm (or of plain
+        decoding) at this batch? None when the gate is off or either side is not known yet."""
+        ratio = self.cfg.offload_demand_ratio
+        if ratio <= 0 or s.demand_tok_s is None:
+            return None
+        demand = s.demand_tok_s + (s.waiting_tokens or 0) / self.cfg.backlog_clear_s
+        ctx = self._bins.context(s)
+        means = [m for a, (m, n) in self._bandit.means(ctx).items()
+                 if (a[0] != "ar") == speculative and n >= self.cfg.gain_min_obs]
+        if not means:
+            return None
+        s_per_token = min(means) / self._bins.norm(ctx, max(int(s.batch_size), 1))
+        self.last_demand_ratio = demand * s_per_token       # demand / capacity
+        return self.last_demand_ratio >= ratio
 
     def estimate(self, s: LoadSignals) -> tuple[float, float] | None:
         """(gain, the best speculative arm's per-token latency now). The gain is the predicted
@@ -293,4 +325,5 @@ class MemoryRule:
 
     def summary(self) -> dict:
         return {"pressure_level": self.policy.level, "last_offload_gain": self.policy.last_gain,
+                "last_demand_ratio": self.last_demand_ratio,
                 "offload_verdicts": dict(self.verdicts), "offload_claims": [dict(c) for c in self.claims]}

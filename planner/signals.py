@@ -7,7 +7,9 @@
 * :class:`EngineSignals` — the engine's own stats. The engine calls ``record_arrivals(n, now)``
   when requests come in and ``snapshot(batch_size, waiting, kv_usage, now)`` before a step; the
   arrival rate is the number of arrivals in a sliding window (``window_s``) over the window's
-  length (or over the time since the first call, while that is shorter).
+  length (or over the time since the first call, while that is shorter); the demand
+  (``demand_req_s``, ``demand_tok_s``) is the fast estimate of :mod:`planner.demand`, which the
+  offload gates compare with the running arm's capacity.
 """
 from __future__ import annotations
 
@@ -17,14 +19,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from planner.demand import DemandEstimate
+
 
 @dataclass
 class LoadSignals:
     batch_size: int                 # running (decoding) requests
     waiting: int = 0                # requests admitted but waiting (for KV blocks or a slot)
     kv_usage: float = 0.0           # fraction of the target KV pool in use, 0..1
-    arrival_rate: float = 0.0       # requests per second
+    arrival_rate: float = 0.0       # requests per second, over the last 10 s
     now: float | None = None        # time of the snapshot (time.monotonic() seconds)
+    # demand, within seconds (planner.demand; None: the engine does not estimate it)
+    demand_req_s: float | None = None       # requests arriving per second
+    demand_tok_s: float | None = None       # tokens they ask for per second
+    waiting_tokens: int | None = None       # tokens the waiting requests still ask for
     # the drafter, as the engine reports it
     drafter_offloaded: bool | None = None   # True while its weights are in host memory
     drafter_lag_tokens: int | None = None   # tokens the drafter must prefill to catch up
@@ -56,7 +64,7 @@ class EngineSignals:
     arrivals may be recorded from the server's request thread while the engine loop snapshots."""
 
     def __init__(self, window_s: float = 10.0, min_span_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, demand_tau_s: float = 2.0):
         if window_s <= 0:
             raise ValueError("window_s must be > 0")
         self.window_s = float(window_s)
@@ -66,6 +74,7 @@ class EngineSignals:
         self._in_window = 0
         self._t0: float | None = None
         self.total_arrivals = 0
+        self.demand = DemandEstimate(demand_tau_s)
         self._lock = threading.Lock()
 
     def _prune(self, now: float) -> None:
@@ -74,10 +83,12 @@ class EngineSignals:
         while ev and ev[0][0] <= horizon:
             self._in_window -= ev.popleft()[1]
 
-    def record_arrivals(self, n: int = 1, now: float | None = None) -> None:
+    def record_arrivals(self, n: int = 1, now: float | None = None, max_tokens: int = 0) -> None:
+        """`n` requests arrived, each asking for up to `max_tokens` tokens."""
         if n <= 0:
             return
         now = self._clock() if now is None else float(now)
+        self.demand.arrived(now, max_tokens, n)
         with self._lock:
             if self._t0 is None:
                 self._t0 = now
@@ -99,5 +110,7 @@ class EngineSignals:
     def snapshot(self, batch_size: int, waiting: int = 0, kv_usage: float = 0.0,
                  now: float | None = None, **extra) -> LoadSignals:
         now = self._clock() if now is None else float(now)
+        req_s, tok_s = self.demand.rates(now)
         return LoadSignals(batch_size=int(batch_size), waiting=int(waiting), kv_usage=float(kv_usage),
-                           arrival_rate=self.arrival_rate(now), now=now, **extra)
+                           arrival_rate=self.arrival_rate(now), now=now, demand_req_s=req_s,
+                           demand_tok_s=tok_s, **extra)

@@ -1,13 +1,17 @@
 """`nightdraft bench dynamic`: its accounting, and short real runs in-process and via tritonserver."""
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
 
-from client.dynamic_report import Record, RunResult, median_summary, noise, regret, summarise
+from client.dynamic_report import (Record, RunResult, Targets, goals, median_summary, mode_shares, noise,
+                                   regret, summarise)
+from client.load_shapes import SHAPES, phases, schedule
 
-KEYS = {"throughput_tok_s", "ttft_mean_s", "ttft_p99_s", "tpot_mean_s", "e2e_mean_s", "e2e_p99_s"}
+KEYS = {"throughput_tok_s", "goodput_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
+        "tpot_p50_s", "tpot_p99_s", "e2e_mean_s", "e2e_p99_s", "mode_shares"}
 
 
 def test_requests_count_in_the_phase_they_arrived_in():
@@ -27,9 +31,76 @@ def test_requests_count_in_the_phase_they_arrived_in():
     assert set(s["overall"]) >= KEYS
 
 
+def test_goodput_counts_only_requests_that_met_both_targets():
+    records = [Record(0, 0.0, 0.2, 1.2, 11),        # TTFT 0.2, TPOT 0.1: meets both
+               Record(0, 0.0, 0.9, 1.9, 11),        # TTFT 0.9: too late
+               Record(0, 0.0, 0.1, 4.1, 11),        # TPOT 0.4: too slow
+               Record(0, 0.0, 0.3, 0.3, 1)]         # one token: no TPOT, its TTFT meets the target
+    m = summarise(RunResult(records, [(0.0, 2.0)]), Targets(ttft_s=0.5, tpot_s=0.2))["phases"][0]
+    assert m["throughput_tok_s"] == pytest.approx(34 / 4.1)
+    assert m["goodput_tok_s"] == pytest.approx(12 / 4.1)
+    assert m["tpot_p50_s"] == pytest.approx(0.1) and m["tpot_p99_s"] == pytest.approx(0.4)
+    assert summarise(RunResult(records, [(0.0, 2.0)]))["phases"][0]["goodput_tok_s"] == m["throughput_tok_s"]
+
+
+def test_mode_shares_are_time_weighted_within_the_phase():
+    tl = [{"t": 0.0, "mode": "sd", "gamma": 3}, {"t": 1.0, "mode": "ar", "gamma": 0},
+          {"t": 4.0, "mode": "psd", "gamma": 2}]
+    assert mode_shares(tl, 0.0, 5.0) == pytest.approx({"ar": 0.6, "psd2": 0.2, "sd3": 0.2})
+    assert mode_shares(tl, 2.0, 4.0) == {"ar": 1.0}
+    assert mode_shares([], 0.0, 1.0) == {}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_load_shapes_ask_for_the_demand_they_declare(shape):
+    # demand in tokens: each phase's arrivals ask for rate_x x capacity x max_tokens tokens per second
+    capacity, max_tokens, base = 40.0, 32, 30.0
+    arrivals, bounds, plan = schedule(shape, ["a", "b"], capacity, max_tokens, base, seed=1)
+    assert [round(hi - lo, 6) for lo, hi in bounds] == [round(base * ph.length_x, 6) for ph in plan]
+    assert all(a.t < b.t for a, b in zip(arrivals, arrivals[1:]))
+    for i, (ph, (lo, hi)) in enumerate(zip(plan, bounds)):
+        mine = [a for a in arrivals if a.phase == i]
+        assert all(lo <= a.t < hi for a in mine)
+        asked = sum(a.max_tokens for a in mine) / (hi - lo)
+        want = ph.rate_x * capacity * max_tokens
+        assert asked == pytest.approx(want, rel=0.3 if want * (hi - lo) > 5000 else 0.6), ph
+        assert {a.max_tokens for a in mine} <= {max(1, round(x * max_tokens)) for x, _ in ph.lengths}
+    if shape == "mixed":
+        lengths = collections.Counter(a.max_tokens for a in arrivals)
+        assert set(lengths) == {8, 64}
+        assert lengths[8] / len(arrivals) == pytest.approx(0.75, abs=0.06)
+    if shape == "bursty":
+        assert [ph.name for ph in plan] == ["off", "on"] * 3
+        assert phases("bursty", seed=1) == plan and phases("bursty", seed=2) != plan
+    if shape == "ramp":
+        assert [ph.rate_x for ph in plan] == sorted(ph.rate_x for ph in plan)
+
+
+def test_unknown_load_shape_is_refused():
+    with pytest.raises(ValueError, match="unknown load shape 'sine'.*steps"):
+        phases("sine")
+
+
+def test_goal_rows():
+    def cfg(good_phases, e2e):
+        rows = [{"throughput_tok_s": g, "goodput_tok_s": g, "ttft_mean_s": e2e / 4, "e2e_mean_s": e2e}
+                for g in good_phases]
+        return {"phases": rows, "overall": {"throughput_tok_s": sum(good_phases), "goodput_tok_s": sum(good_phases),
+                                            "ttft_mean_s": e2e / 4, "e2e_mean_s": e2e}}
+    configs = {"ar": cfg([10, 50], 2.0), "sd": cfg([20, 30], 1.0), "adaptive": cfg([19, 55], 0.8),
+               "adaptive_no_offload": cfg([19, 40], 0.7)}
+    report = {"configs": configs, "regret": regret(configs, 2)}
+    g = goals(report)
+    assert g["adaptive"]["goodput_vs_best_fixed"] == pytest.approx(74 / 60)      # vs ar's 60
+    assert g["adaptive"]["worst_phase_goodput_vs_best_fixed"] == pytest.approx(19 / 20)
+    assert g["adaptive"]["e2e_vs_sd"] == pytest.approx(0.8)
+    assert g["offload_worst_phase"]["e2e_mean_s"] == pytest.approx(0.8 / 0.7)
+
+
 def _summary(tp, ttft, e2e):
-    row = {"requests": 1, "failed": 0, "throughput_tok_s": tp, "ttft_mean_s": ttft, "ttft_p99_s": ttft,
-           "tpot_mean_s": 0.01, "e2e_mean_s": e2e, "e2e_p99_s": e2e}
+    row = {"requests": 1, "failed": 0, "throughput_tok_s": tp, "goodput_tok_s": tp, "ttft_mean_s": ttft,
+           "ttft_p50_s": ttft, "ttft_p99_s": ttft, "tpot_mean_s": 0.01, "tpot_p50_s": 0.01,
+           "tpot_p99_s": 0.01, "e2e_mean_s": e2e, "e2e_p99_s": e2e}
     return {"phases": [dict(row), dict(row)], "overall": dict(row)}
 
 
@@ -58,13 +129,15 @@ def _run_cli(tmp_path, *extra):
     return json.loads(out.read_text()), out
 
 
-def _check_report(report, names):
+def _check_report(report, names, n_phases=3):
     assert set(report["configs"]) == set(names)
     n_req = sum(p["requests"] for p in report["phases"])
     assert n_req > 0
     for name in names:
         res = report["configs"][name]
-        assert len(res["phases"]) == 3 and all(set(p) >= KEYS for p in res["phases"])
+        assert len(res["phases"]) == n_phases and all(set(p) >= KEYS for p in res["phases"])
+        # every request got the tokens its arrival asked for
+        assert res["overall"]["tokens"] == sum(p["tokens_asked"] for p in report["phases"])
         assert set(res["overall"]) >= KEYS
         assert res["overall"]["requests"] == n_req and res["overall"]["failed"] == 0
         assert res["overall"]["throughput_tok_s"] > 0 and res["overall"]["ttft_mean_s"] > 0
@@ -75,8 +148,11 @@ def _check_report(report, names):
 
 @pytest.mark.slow
 def test_bench_dynamic_in_process(tmp_path):
-    report, out = _run_cli(tmp_path, "--configs", "ar,adaptive", "--repeats", "2")
-    _check_report(report, ["ar", "adaptive"])
+    report, out = _run_cli(tmp_path, "--configs", "ar,adaptive", "--repeats", "2", "--shape", "mixed")
+    _check_report(report, ["ar", "adaptive"], n_phases=2)
+    assert report["shape"] == "mixed" and {"ttft_s", "tpot_s"} == set(report["targets"])
+    assert sum(report["configs"]["adaptive"]["overall"]["mode_shares"].values()) == pytest.approx(1.0)
+    assert "adaptive" in report["goals"]
     assert report["where"] == "in-process" and report["repeats"] == 2
     assert len(report["configs"]["ar"]["runs"]) == 2
     assert report["noise"] is not None

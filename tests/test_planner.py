@@ -3,6 +3,7 @@ synthetic engine where speculation wins at small batches and plain decoding at l
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 import time
 
 import numpy as np
@@ -514,8 +515,9 @@ class KVBoundEngine:
     costs; an offload takes effect at once, a reload on the next step."""
 
     def __init__(self, planner, base=8, growth=1.75, seed=0, report_growth=True,
-                 offloaded_slowdown=1.0):
+                 offloaded_slowdown=1.0, demand_tok_s=None):
         self.p, self.base, self.growth = planner, base, growth
+        self.demand_tok_s = demand_tok_s               # what the engine's demand estimate reports
         self.offloaded_slowdown = offloaded_slowdown   # a cost the planner cannot predict
         self.rng = np.random.default_rng(seed)
         self.report_growth = report_growth
@@ -527,7 +529,8 @@ class KVBoundEngine:
         b = max(1, min(demand, cap))
         s = LoadSignals(batch_size=b, waiting=max(demand - b, 0), kv_usage=b / cap, now=self.t,
                         drafter_offloaded=self.offloaded, batch_limit=64,
-                        kv_usage_at_base=b / self.base,
+                        kv_usage_at_base=b / self.base, demand_tok_s=self.demand_tok_s,
+                        waiting_tokens=0 if self.demand_tok_s is not None else None,
                         kv_growth_if_offloaded=(self.growth if self.report_growth and not self.offloaded
                                                 else None))
         d = self.p.decide(s)
@@ -588,6 +591,42 @@ def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, repo
     assert eng.offloads == 0
     assert np.mean([d.speculative for d in tail]) > 0.8
     assert p.stats()["ar_hold_steps"] == 0
+
+
+@pytest.mark.parametrize("demand_x, offloads", [(0.6, 0), (1.5, 1)])
+def test_offload_needs_demand_above_the_running_arms_capacity(demand_x, offloads):
+    # The same KV-bound overload whose bigger pool pays, but the engine reports the demand: at
+    # 0.6x what speculation delivers at the batch that fits, the queue drains without the
+    # drafter's memory (an offload would only make each request's TPOT worse), at 1.5x it grows.
+    per_token_spec = min(true_step("sd", g, 8)[0] / true_step("sd", g, 8)[1] for g in range(1, 5))
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+                gamma_max=4, psd_available=False, seed=0)
+    eng = KVBoundEngine(p, demand_tok_s=demand_x / per_token_spec)
+    for _ in range(300):                      # low load first: every arm has been measured
+        eng.step(2)
+    tail = [eng.step(30)[0] for _ in range(1500)][-500:]
+    assert eng.offloads == offloads
+    ratio = p.stats()["memory"]["last_demand_ratio"]
+    assert ratio == pytest.approx(demand_x, rel=0.25)     # the planner's own capacity estimate
+    if not offloads:
+        assert np.mean([d.speculative for d in tail]) > 0.8
+
+
+def test_backlog_counts_as_demand():
+    # No arrivals any more, but a backlog that would take far longer than backlog_clear_s to
+    # drain at the running arm's capacity: that is demand too
+    per_token_spec = min(true_step("sd", g, 8)[0] / true_step("sd", g, 8)[1] for g in range(1, 5))
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, backlog_clear_s=5.0),
+                gamma_max=4, psd_available=False, seed=0)
+    eng = KVBoundEngine(p, demand_tok_s=0.0)
+    s = LoadSignals(batch_size=8, waiting=22, kv_usage=1.0, demand_tok_s=0.0,
+                    waiting_tokens=int(3 * 5.0 / per_token_spec))
+    for _ in range(300):
+        eng.step(30)
+    assert p._memory.demand_over(s, speculative=True) is True
+    assert p._memory.demand_over(replace(s, waiting_tokens=int(0.3 * 5.0 / per_token_spec)),
+                                 speculative=True) is False
+    assert p._memory.demand_over(replace(s, demand_tok_s=None), speculative=True) is None
 
 
 def test_offload_gain_zero_offloads_on_sustained_pressure_alone():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from backend.serving.metrics_scraper import MetricsParseError, TritonMetricsSignals, parse_metrics
+from planner.demand import DemandEstimate
 from planner.signals import EngineSignals, LoadSignals
 
 DATA = Path(__file__).parent / "data"
@@ -82,6 +84,55 @@ def test_engine_signals_arrival_rate_over_a_sliding_window():
     s = e.snapshot(batch_size=7, waiting=3, kv_usage=0.8, now=130.0)
     assert (s.batch_size, s.waiting, s.kv_usage, s.arrival_rate, s.now) == (7, 3, 0.8, 0.0, 130.0)
     assert s.server_pending is None and s.gpu_memory_used_bytes is None
+
+
+def test_demand_follows_a_step_in_the_arrival_rate_within_seconds():
+    d = DemandEstimate(tau_s=2.0)
+    assert d.rates(0.0) == (0.0, 0.0)
+    t = 0.0
+    while t < 20.0:                                    # 2 requests/s of 64 tokens for 20 s
+        d.arrived(t, max_tokens=64)
+        t += 0.5
+    req, tok = d.rates(20.0)
+    assert req == pytest.approx(2.0, rel=0.25) and tok == pytest.approx(128.0, rel=0.25)
+    while t < 26.0:                                    # then 10 requests/s
+        d.arrived(t, max_tokens=64)
+        t += 0.1
+    assert d.rates(26.0)[0] == pytest.approx(10.0, rel=0.2)   # 3 time constants after the step
+    # a 10 s window would still say (4 s x 2 + 6 s x 10) / 10 s = 6.8
+    assert d.rates(32.0)[0] < 0.6                      # and it falls as fast when arrivals stop
+
+
+def test_demand_of_a_fresh_estimate_is_not_inflated_by_its_first_arrivals():
+    d = DemandEstimate(tau_s=2.0)
+    d.arrived(100.0, max_tokens=16)
+    assert d.rates(100.0)[0] <= 1.0 / (2.0 * (1 - math.exp(-DemandEstimate.MIN_AGE_S / 2.0))) + 1e-9
+    for i in range(1, 10):                             # 4/s for a little over two seconds
+        d.arrived(100.0 + i * 0.25, max_tokens=16)
+    assert d.rates(102.25)[0] == pytest.approx(4.0, rel=0.3)
+
+
+def test_token_demand_counts_the_share_of_budgets_really_used():
+    d = DemandEstimate(tau_s=2.0)
+    for i in range(40):
+        d.arrived(i * 0.25, max_tokens=100)
+    full = d.rates(10.0)[1]
+    for _ in range(8):
+        d.finished(generated=25, max_tokens=100)       # requests stop at EOS after a quarter
+    assert d.used_share == pytest.approx(0.25)
+    assert d.rates(10.0)[1] == pytest.approx(full / 4)
+    d.finished(generated=500, max_tokens=100)          # clipped to the budget
+    assert d.used_share <= 1.0
+
+
+def test_engine_signals_snapshot_carries_the_demand():
+    e = EngineSignals(demand_tau_s=1.0)
+    for i in range(20):
+        e.record_arrivals(1, now=50.0 + i * 0.5, max_tokens=32)
+    s = e.snapshot(batch_size=3, now=60.0)
+    assert s.demand_req_s == pytest.approx(2.0, rel=0.3)
+    assert s.demand_tok_s == pytest.approx(64.0, rel=0.3)
+    assert LoadSignals(batch_size=1).demand_tok_s is None     # a front end without the estimate
 
 
 def test_engine_signals_are_thread_safe():

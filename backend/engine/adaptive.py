@@ -44,11 +44,14 @@ class AdaptiveController:
         self.memory = memory
         self.batch_limit = batch_limit
         self.extra_signals = extra_signals
-        self.signals = EngineSignals()
+        self.signals = EngineSignals(demand_tau_s=planner.config.demand_tau_s)
         self._drafter_paused = False   # the last step drafted nothing: the next drafts catch up
 
-    def record_arrival(self) -> None:
-        self.signals.record_arrivals(1, time.perf_counter())
+    def record_arrival(self, max_tokens: int) -> None:
+        self.signals.record_arrivals(1, time.perf_counter(), max_tokens=max_tokens)
+
+    def record_finish(self, generated: int, max_tokens: int) -> None:
+        self.signals.demand.finished(generated, max_tokens)
 
     def plan(self) -> tuple[str, int]:
         """(mode, gamma) for this step, with the drafter's memory moved as the planner asks."""
@@ -76,6 +79,8 @@ class AdaptiveController:
         signals = self.signals.snapshot(
             batch_size=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_usage=self.kv.usage(), now=time.perf_counter(),
+            waiting_tokens=round(self.signals.demand.used_share * sum(
+                q.params.max_tokens - q.num_output_tokens for q in self.scheduler.waiting)),
             drafter_lag_tokens=self.drafter.lag_tokens(self.scheduler.running),
             drafter_offloaded=self.drafter.offloaded, batch_limit=self.batch_limit,
             kv_growth_if_offloaded=mem.growth_if_offloaded() if mem is not None else None,

@@ -337,6 +337,8 @@ class Engine:
         seq.num_computed = len(seq) - 1
         if reason:
             self._finish(seq, reason)
+            if self.adaptive is not None:      # how much of its budget a request really used
+                self.adaptive.record_finish(seq.num_output_tokens, seq.params.max_tokens)
         else:
             self.kv.truncate(seq.request_id, seq.num_computed)
         if s.gamma:
@@ -389,7 +391,7 @@ class Engine:
                 self._seqs[item.request_id] = item
                 self._stats.prompt_tokens += item.num_prompt_tokens
                 if self.adaptive is not None:
-                    self.adaptive.record_arrival()
+                    self.adaptive.record_arrival(item.params.max_tokens)
                 self.scheduler.add(item)
             elif (seq := self._seqs.get(item)) is not None:
                 self._finish(seq, "abort")
