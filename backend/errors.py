@@ -1,4 +1,5 @@
-"""Errors a front end turns into client-facing responses (their messages are safe to return)."""
+"""Errors a front end turns into client-facing responses (their messages are safe to return),
+and the one an operator gets for a configuration that cannot work."""
 from __future__ import annotations
 
 
@@ -8,3 +9,7 @@ class InvalidRequest(ValueError):
 
 class ServerBusy(RuntimeError):
     """The request is valid but the server's queue is full; retry later (UNAVAILABLE)."""
+
+
+class ConfigError(ValueError):
+    """An engine configuration that cannot work; the message names the key."""

@@ -8,9 +8,13 @@ alike. Rows say which comparison they are:
   ar-2dev  plain decoding given both cores (two threads): what the drafter's device buys AR
   sd       sequential SD, drafter in its worker on its own core (MineDraft's baseline)
   psd      batch-parallel SD, same two devices as sd
+  sd-ahead   sd, the worker drafting the next round while the target verifies (draft-ahead)
+  psd-ahead  psd, its in-line fallback (a sub-batch with nothing drafted) drafting ahead too
   ngram    SD with n-gram (prompt lookup) drafts: no drafter, the target on one core (as ar-1dev)
   ngram-auto  mode auto over the n-gram proposer: the planner picks plain decoding or a gamma
   ngram-auto-cold  the same, the planner started without its calibrated cost model
+  auto-both  mode auto holding the drafter model (in its worker) and an n-gram proposer: the
+             planner picks plain decoding, drafter SD / PSD or n-gram SD, and gamma, per step
 
 Next to each measured throughput stands the cost model's prediction from a calibration of the
 same forwards (planner/cost_model.py).
@@ -34,6 +38,8 @@ from client.prompts import load_prompts
 from client.plotting import pyplot
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
+AHEAD_CONFIGS = ("sd-ahead", "psd-ahead")
+BOTH_CONFIGS = ("auto-both",)
 NGRAM_CONFIGS = ("ngram", "ngram-auto", "ngram-auto-cold")
 
 
@@ -85,8 +91,13 @@ def build_engines(args, names: list[str]) -> dict:
             engines[name] = (Engine(EngineConfig(**common, num_threads=one.threads)), one)
         elif name == "ar-2dev":
             engines[name] = (Engine(EngineConfig(**common, num_threads=both.threads)), both)
-        elif name in ("sd", "psd"):
-            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, mode=name,
+        elif name in ("sd", "psd") + AHEAD_CONFIGS:
+            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, mode=name.removesuffix("-ahead"),
+                                                 gamma=args.gamma, drafter_device="cpu",
+                                                 draft_ahead=name in AHEAD_CONFIGS,
+                                                 num_threads=one.threads)), one)
+        elif name in BOTH_CONFIGS:
+            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, proposer="both", mode="auto",
                                                  gamma=args.gamma, drafter_device="cpu",
                                                  num_threads=one.threads)), one)
         elif name in NGRAM_CONFIGS:
@@ -94,7 +105,8 @@ def build_engines(args, names: list[str]) -> dict:
                                                  gamma=args.gamma, num_threads=one.threads,
                                                  planner_cost_profile="off" if name.endswith("-cold") else "calibrate")), one)
         else:
-            raise ValueError(f"unknown config {name!r}; choose from {CONFIGS + NGRAM_CONFIGS}")
+            raise ValueError(f"unknown config {name!r}; "
+                             f"choose from {CONFIGS + AHEAD_CONFIGS + NGRAM_CONFIGS + BOTH_CONFIGS}")
     return engines
 
 
@@ -157,14 +169,30 @@ def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: 
                                if sums["psd_step"] else None),
         "psd_fallback_steps": s1["fallback"] - s0["fallback"],
         "psd_unbalanced_steps": s1["unbalanced"] - s0["unbalanced"],
+        **_ahead_delta(s0["ahead"], s1["ahead"]),
     }
+
+
+def _ahead_delta(a0: dict, a1: dict) -> dict:
+    """Draft-ahead over one run: its hit rate, the hit rate by accepted length, seconds hidden."""
+    if not a1:
+        return {}
+    rounds = a1["rounds"] - a0.get("rounds", 0)
+    by = {}
+    for k, row in a1["by_accepted"].items():
+        before = a0.get("by_accepted", {}).get(k, {"rounds": 0, "hits": 0})
+        n, h = row["rounds"] - before["rounds"], row["hits"] - before["hits"]
+        if n:
+            by[k] = {"rounds": n, "hit_rate": h / n}
+    return {"ahead_hit_rate": (a1["hits"] - a0.get("hits", 0)) / rounds if rounds else None,
+            "ahead_by_accepted": by, "ahead_hidden_s": a1["hidden_s"] - a0.get("hidden_s", 0.0)}
 
 
 def _snapshot(engine) -> dict:
     s = engine.stats()
     return {"drafted": s.drafted_tokens, "accepted": s.accepted_tokens, "calls": s.target_calls,
             "dtok": s.decode_tokens, "fallback": s.psd_fallback_steps,
-            "unbalanced": s.psd_unbalanced_steps}
+            "unbalanced": s.psd_unbalanced_steps, "ahead": s.draft_ahead}
 
 
 def run_compare_cli(args) -> int:
@@ -217,12 +245,19 @@ def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]
             mode = {"ar-1dev": "ar", "ar-2dev": "ar"}.get(name, name)
             row = {"config": name, "concurrency": level}
             for key in runs[0]:
+                if key == "ahead_by_accepted":       # a breakdown, not a figure: the first run's
+                    row[key] = runs[0][key]
+                    continue
                 vals = [r[key] for r in runs if r[key] is not None]
                 row[key] = statistics.median(vals) if vals else None
             if name in ("ar-1dev", "sd", "psd"):   # what the profile measured (one device, the drafter)
                 row["predicted_tokens_per_s"] = predict(mode, level, gamma, alpha, profile).tokens_per_s
             rows.append(row)
         by = {r["config"]: r for r in rows if r["concurrency"] == level}
+        for ahead in AHEAD_CONFIGS:      # against the same mode without it, same placement
+            plain = ahead.removesuffix("-ahead")
+            if ahead in by and plain in by:
+                by[ahead]["over_without_ahead"] = by[ahead]["tokens_per_s"] / by[plain]["tokens_per_s"]
         if "psd" in by and "sd" in by:
             by["psd"]["psd_over_sd"] = by["psd"]["tokens_per_s"] / by["sd"]["tokens_per_s"]
             by["psd"]["psd_bound_over_sd"] = psd_speedup_bound(level, gamma, profile) if level >= 2 else 1.0
@@ -239,7 +274,7 @@ def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'conc':>4} {'config':<15} {'tok/s':>8} {'pred':>8} {'lat_s':>7} {'accept':>6} "
-            f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'x ar1':>7} {'psd/ar2':>7}")
+            f"{'tok/call':>8} {'overlap':>7} {'psd/sd':>7} {'x ar1':>7} {'psd/ar2':>7} {'ahead':>6} {'hits':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(key, fmt):
@@ -249,7 +284,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{f('predicted_tokens_per_s', '8.1f')} {f('mean_latency_s', '7.3f')} "
                      f"{f('acceptance_rate', '6.2f')} {f('tokens_per_target_call', '8.2f')} "
                      f"{f('overlap_efficiency', '7.2f')} {f('psd_over_sd', '7.2f')} "
-                     f"{f('over_ar-1dev', '7.2f')} {f('psd_over_ar-2dev', '7.2f')}")
+                     f"{f('over_ar-1dev', '7.2f')} {f('psd_over_ar-2dev', '7.2f')} "
+                     f"{f('over_without_ahead', '6.2f')} {f('ahead_hit_rate', '5.2f')}")
     return "\n".join(lines)
 
 

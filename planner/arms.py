@@ -1,21 +1,23 @@
 """What the planner chooses between: a :class:`Decision` (mode, gamma) per step, and the arms.
 
 Arms are ``("ar", 0)``, ``("sd", g)`` for g in gamma_min..gamma_max and, when a drafter has its
-own device, ``("psd", g)``; ``modes`` restricts them (plain decoding is always there when
-gamma_max is 0).
+own device, ``("psd", g)``; when the engine also holds an n-gram proposer, ``("ngram", g)``
+(sequential SD with prompt-lookup drafts: no drafter model, so turning to it costs no catch-up
+and the drafter's cores may serve the target meanwhile). ``modes`` restricts them (plain
+decoding is always there when gamma_max is 0).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.config import MODES
+from planner.config import DRAFTER_MODES, MODES
 
 Arm = tuple[str, int]
 
 
 @dataclass(frozen=True)
 class Decision:
-    mode: str    # "ar" | "sd" | "psd"
+    mode: str    # "ar" | "sd" | "psd" | "ngram"
     gamma: int   # 0 iff mode == "ar"
 
     def __post_init__(self):
@@ -32,6 +34,11 @@ class Decision:
     def speculative(self) -> bool:
         return self.mode != "ar"
 
+    @property
+    def uses_drafter(self) -> bool:
+        """Does this arm need the drafter model (its catch-up, its device)?"""
+        return self.mode in DRAFTER_MODES
+
     def __str__(self) -> str:
         return arm_str(self.arm)
 
@@ -45,7 +52,7 @@ def arm_str(arm: Arm) -> str:
 
 
 def make_arms(gamma_max: int, psd_available: bool, modes: tuple[str, ...] | None = None,
-              gamma_min: int = 1) -> list[Arm]:
+              gamma_min: int = 1, ngram_available: bool = False) -> list[Arm]:
     if gamma_max < 0:
         raise ValueError("gamma_max must be >= 0")
     modes = modes if modes is not None else MODES
@@ -57,6 +64,8 @@ def make_arms(gamma_max: int, psd_available: bool, modes: tuple[str, ...] | None
         arms += [("sd", g) for g in gammas]
     if psd_available and "psd" in modes:
         arms += [("psd", g) for g in gammas]
+    if ngram_available and "ngram" in modes:
+        arms += [("ngram", g) for g in gammas]
     if not arms:
         raise ValueError("no arms: check gamma_max, gamma_min and modes")
     return arms

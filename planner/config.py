@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-MODES = ("ar", "sd", "psd")
+MODES = ("ar", "sd", "psd", "ngram")
+DRAFTER_MODES = ("sd", "psd")          # the arms that need the drafter model
 CONTEXT_BINS = ("batch", "batch_waiting")
 
 

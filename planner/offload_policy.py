@@ -293,7 +293,9 @@ class MemoryRule:
         the grown pool would admit) over the best speculative arm now (at the batch that fits):
         > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
         arms' means in this bin, AR's taken to the bigger batch by the target forward's cost
-        line (:class:`~planner.step_costs.ForwardCost`; until it is known, AR's mean in the bin
+        line for the forward's share and as it is for the rest of its per-token time
+        (:meth:`~planner.step_costs.ForwardCost.per_token_at`: through a server, one response
+        per request per step does not amortise); until the line is known, AR's mean in the bin
         of the bigger batch, or this bin's rescaled like the losses are). None when the engine
         cannot grow the pool or too little is measured yet."""
         g = s.kv_growth_if_offloaded
@@ -313,9 +315,10 @@ class MemoryRule:
         spec_now = min(spec) / bins.norm(ctx, b)
         b2i = int(round(b2))
         ar_here = self._bandit.means(ctx).get(AR.arm)
-        ratio = self._forward_cost.per_token_ratio(b, b2)
-        if ratio is not None and ar_here is not None and ar_here[1] >= min_obs:
-            return spec_now / (ar_here[0] / bins.norm(ctx, b) * ratio), spec_now
+        if ar_here is not None and ar_here[1] >= min_obs:
+            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b))
+            if ar_at_b2 is not None:
+                return spec_now / ar_at_b2, spec_now
         ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))
         for c in (ctx2, ctx):
             m = self._bandit.means(c).get(AR.arm)

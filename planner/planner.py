@@ -4,7 +4,8 @@ The engine's one controller. It is built once, from the settings and what the en
 itself::
 
     planner = Planner(PlannerConfig.from_dict(engine_json.get("planner")),
-                      gamma_max=8, psd_available=drafter_has_own_device, seed=seed)
+                      gamma_max=8, psd_available=drafter_has_own_device, seed=seed,
+                      ngram_available=engine_also_holds_an_ngram_proposer)
 
 and called around every step (snapshot -> decide -> apply -> observe)::
 
@@ -46,7 +47,7 @@ from typing import Callable, Hashable
 from planner.acceptance import AcceptanceEstimate, CostModelPrior
 from planner.arms import AR, Arm, Decision, arm_str, make_arms
 from planner.bandit import ContextualBandit
-from planner.config import PlannerConfig
+from planner.config import DRAFTER_MODES, PlannerConfig
 from planner.contexts import ContextBins, StepLoss
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
@@ -61,12 +62,13 @@ __all__ = ["AR", "Decision", "Planner"]
 class Planner:
     def __init__(self, config: PlannerConfig | None = None, *, gamma_max: int, psd_available: bool,
                  seed: int = 0, cost_profile: CostProfile | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, ngram_available: bool = False):
         cfg = self.config = config if config is not None else PlannerConfig()
         if not isinstance(cfg, PlannerConfig):
             raise TypeError(f"config must be a PlannerConfig, not {type(cfg).__name__} "
                             "(use PlannerConfig.from_dict for a dict of settings)")
-        self.arms: list[Arm] = make_arms(gamma_max, psd_available, cfg.modes, cfg.gamma_min)
+        self.arms: list[Arm] = make_arms(gamma_max, psd_available, cfg.modes, cfg.gamma_min,
+                                         ngram_available)
         self.gamma_max = gamma_max
         self.psd_available = psd_available
         self.cost_profile = cost_profile
@@ -90,7 +92,7 @@ class Planner:
 
         self.steps = 0
         self.mode_switches = 0        # ar <-> speculative
-        self.drafter_turn_ons = 0
+        self.drafter_turn_ons = 0     # to a drafter arm from one without (ar, ngram)
         self._ctx: Hashable = None
         self._batch = 1
         self._current: Decision | None = None
@@ -111,6 +113,9 @@ class Planner:
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)
+        if prev is not None and d.uses_drafter and not prev.uses_drafter:
+            self.drafter_turn_ons += 1
+            self._switch.turned_on()
         self._timeline.note(now, self.steps, d.mode, d.gamma, signals.batch_size, changed=d != prev)
         self._current = d
         return d
@@ -120,9 +125,6 @@ class Planner:
             self.mode_switches += 1
         if d.speculative:
             self._ar_since = None
-            if prev is not None:
-                self.drafter_turn_ons += 1
-                self._switch.turned_on()
         else:
             self._ar_since = (self.steps, now)
 
@@ -155,10 +157,11 @@ class Planner:
             prefill_tokens=prefill_tokens, forward_tokens=forward_tokens, forward_s=forward_s)
         if cost.loss is not None and decision.arm in self._decisions:
             self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
+        if not decision.uses_drafter:       # the drafter falls behind by what this step committed
+            self._switch.observe_off(tokens_committed)
         if decision.mode == "ar":
             self._memory.observe_ar(cost.wall_s, cost.tokens)
-            self._switch.observe_off(tokens_committed)
-        else:
+        elif decision.uses_drafter:
             if decision.mode == "sd" and batch_size > 0 and tokens_committed > 0:
                 self._acceptance.observe_sd(decision.gamma, tokens_committed, batch_size)
             self._switch.observe_on(drafter_rebuild_s)
@@ -202,8 +205,9 @@ class Planner:
         return self._switch.estimate_s(self._drafter.offloaded if offloaded is None else offloaded)
 
     def _switch_cost(self, a_from: Arm, a_to: Arm) -> float:
-        """The bandit's switching cost, in loss units (summed per-token latencies)."""
-        if a_from[0] != "ar" or a_to[0] == "ar":
+        """The bandit's switching cost, in loss units (summed per-token latencies): the
+        drafter's catch-up (and reload) when a drafter arm follows one without."""
+        if a_from[0] in DRAFTER_MODES or a_to[0] not in DRAFTER_MODES:
             return 0.0
         c = self.estimated_switch_cost_s()
         if c <= 0:

@@ -8,7 +8,8 @@ measurements, and uses twice.
   arms' differences. The forward's time is close to affine in the tokens fed, so the line's
   slope times the prefill tokens is taken off a step's wall time before the arm is scored.
 * **What a bigger batch buys.** Plain decoding at batch b feeds b tokens; the line predicts how
-  its per-token latency changes from batch b to b2, which is what an offload would buy: the
+  the forward's share of its per-token latency changes from batch b to b2 (the rest of a step's
+  time per token is carried over: it does not amortise), which is what an offload would buy: the
   planner uses it to weigh the drafter's memory as KV cache.
 
 The line is fitted over every step, whatever the arm (a speculative step feeds more tokens per
@@ -77,14 +78,20 @@ class ForwardCost:
         slope = self.seconds_per_token
         return slope * prefill_tokens if slope is not None and prefill_tokens > 0 else 0.0
 
-    def per_token_ratio(self, b: float, b2: float) -> float | None:
-        """Plain decoding's per-token forward time at batch b2 over that at batch b (one token per
-        sequence); None until the line is known."""
+    def per_token_at(self, b: float, b2: float, wall_per_token: float) -> float | None:
+        """Plain decoding's per-token *wall* time at batch b2, from its measured `wall_per_token`
+        at batch b: the forward's share follows the line (its fixed cost amortises over a bigger
+        batch); the rest of a step's time per token (sampling, commit, and through a server one
+        response per request) does not, and is carried over as it is. None until the line is
+        known."""
         fit = self.line.fit()
         if fit is None:
             return None
         a, c = fit[0], max(fit[1], 0.0)
-        at_b, at_b2 = (a + c * b) / b, (a + c * b2) / b2
-        if at_b <= 0 or at_b2 <= 0:
+        fwd_b, fwd_b2 = (a + c * b) / b, (a + c * b2) / b2
+        if fwd_b <= 0 or fwd_b2 <= 0:
             return None
-        return at_b2 / at_b
+        rest = wall_per_token - fwd_b
+        if rest < 0:            # the wall time measured below the line: scale it as the line does
+            return wall_per_token * fwd_b2 / fwd_b
+        return fwd_b2 + rest

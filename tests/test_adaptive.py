@@ -36,7 +36,7 @@ def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outp
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
         kv_cache_bytes=30 * block_bytes(),
         planner={"offload_after_steps": 3, "offload_after_s": 0.0, "kv_pressure": 0.5,
-                 "offload_gain": 0.0, "reload_after_s": 0.0}))
+                 "offload_gain": 0.0, "offload_demand_ratio": 0.0, "reload_after_s": 0.0}))
     try:
         burst = engine.generate(prompts[:16], GREEDY)                         # high load
         trickle = engine.generate(prompts[16:], GREEDY, max_concurrency=1)    # low load
@@ -79,14 +79,14 @@ def test_planner_settings_are_validated():
 
 
 def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts, ar_outputs):
-    # offload_gain 0: offload on sustained pressure alone (the gain estimate is tested on synthetic
-    # costs in test_planner.py); the rest is the real policy: plain decoding is held while the
+    # offload_gain 0, offload_demand_ratio 0: offload on sustained pressure alone (the gain
+    # estimate and the demand gate are tested on synthetic costs in test_planner.py); the rest is the real policy: plain decoding is held while the
     # load needs the grown pool, and speculation comes back once it fits the drafter-on pool.
     engine = Engine(EngineConfig(
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
         kv_cache_bytes=24 * block_bytes(),
         planner={"offload_after_steps": 3, "offload_after_s": 0.0, "offload_gain": 0.0,
-                 "reload_after_s": 0.0}))
+                 "offload_demand_ratio": 0.0, "reload_after_s": 0.0}))
     base = engine.kv.num_blocks
     trace = []
 

@@ -25,3 +25,18 @@ def test_bench_compare_puts_ngram_beside_plain_decoding(tmp_path):
     assert rows["ngram"]["over_ar-1dev"] == rows["ngram"]["tokens_per_s"] / rows["ar-1dev"]["tokens_per_s"]
     assert "x ar1" in proc.stdout and "ngram-auto" in proc.stdout
     assert (tmp_path / "compare.png").is_file()
+
+
+def test_bench_compare_puts_draft_ahead_beside_sd(tmp_path):
+    out = tmp_path / "compare.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.cli", "bench", "compare", "--configs", "sd,sd-ahead",
+         "--concurrency", "1", "--max-tokens", "24", "--requests-per-level", "1", "--gamma", "2",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    ahead = rows["sd-ahead"]
+    assert ahead["over_without_ahead"] == ahead["tokens_per_s"] / rows["sd"]["tokens_per_s"]
+    assert 0 < ahead["ahead_hit_rate"] <= 1 and ahead["ahead_by_accepted"]
+    assert sum(r["rounds"] for r in ahead["ahead_by_accepted"].values()) > 0
+    assert rows["sd"].get("ahead_hit_rate") is None        # sd itself never drafts ahead

@@ -55,6 +55,7 @@ def make_engine(mode: str) -> Engine:
     planner = None
     if mode == "auto":   # eager: offloads under the burst, reloads once the load drops
         planner = {"offload_after_steps": 3, "offload_after_s": 0.0, "offload_gain": 0.0,
+                   "offload_demand_ratio": 0.0,
                    "reload_after_s": 0.0, "kv_pressure": 0.5}
     return Engine(EngineConfig(
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode=mode, gamma=3, gamma_max=4,

@@ -118,6 +118,49 @@ def test_ngram_greedy_output_equals_plain_decoding(mode, plain_greedy):
     e.close()
 
 
+def test_proposer_both_needs_a_drafter_and_mode_auto():
+    with pytest.raises(ConfigError, match="proposer 'both'"):
+        EngineConfig(target=str(TINY_TARGET), proposer="both", mode="sd", drafter=str(TINY_DRAFTER))
+    with pytest.raises(ConfigError, match="needs a drafter checkpoint"):
+        EngineConfig(target=str(TINY_TARGET), proposer="both", mode="auto")
+
+
+@pytest.mark.slow
+def test_the_planner_chooses_between_drafter_ngram_and_none_per_step(plain_greedy):
+    # proposer "both": the drafter model in its worker and an n-gram proposer in one engine; the
+    # planner's arms are ar, sd:g, psd:g and ngram:g, scored by what they deliver. Greedy output
+    # stays plain decoding's, and over text that copies its prompt and then sampled code every
+    # kind of arm runs. (Which wins is the bandit's measurement: an n-gram step that finds no
+    # match decodes plainly, on the target plus the drafter's lent cores, so on sampled code it
+    # competes with the drafter's arms; the choice itself is tested in test_planner.py.)
+    from client.prompts import load_prompts
+    e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), proposer="both",
+                            mode="auto", gamma=3, gamma_max=3, drafter_device="cpu",
+                            kv_cache_bytes=16 << 20))
+
+    def plays() -> Counter:
+        out = Counter()
+        for arm, n in e.planner.summary()["arm_counts"].items():
+            out[arm.split(":")[0]] += n
+        return out
+    try:
+        assert {a[0] for a in e.planner.arms} == {"ar", "sd", "psd", "ngram"}
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        modes = Counter()
+        prompts = COPY_PROMPTS + FREE_PROMPTS
+        out = [c.output_ids for c in e.generate(prompts, [params] * len(prompts), max_concurrency=4,
+                                               on_step=lambda _o: modes.update([e.stats().last_step.mode]))]
+        assert out == plain_greedy
+        sampled = [SamplingParams(max_tokens=64, temperature=1.0, seed=i, ignore_eos=True) for i in range(16)]
+        e.generate(load_prompts(n=16), sampled, max_concurrency=4,        # held-out code
+                   on_step=lambda _o: modes.update([e.stats().last_step.mode]))
+        total = plays()
+        assert total["sd"] + total["psd"] > 0 and total["ngram"] > 0 and total["ar"] > 0, total
+        assert modes["ngram"] > 0 and modes["sd"] + modes["psd"] > 0, modes   # ran what it chose
+    finally:
+        e.close()
+
+
 def test_a_request_that_opts_out_gets_no_ngram_drafts():
     e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", gamma=4, kv_cache_bytes=16 << 20))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=False)

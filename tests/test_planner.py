@@ -2,7 +2,6 @@
 synthetic engine where speculation wins at small batches and plain decoding at large ones."""
 from __future__ import annotations
 
-import collections
 from dataclasses import replace
 import time
 
@@ -642,14 +641,16 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
     from planner.step_costs import ForwardCost
     fc = ForwardCost()
     rng = np.random.default_rng(0)
-    assert fc.seconds_per_token is None and fc.per_token_ratio(8, 16) is None
+    assert fc.seconds_per_token is None and fc.per_token_at(8, 16, 1e-3) is None
     for _ in range(400):
         n = int(rng.integers(8, 200))
         fc.observe(n, 0.004 + 2e-4 * n * (1 + 0.05 * rng.standard_normal()))
     assert fc.seconds_per_token == pytest.approx(2e-4, rel=0.1)
     assert fc.prefill_seconds(50) == pytest.approx(0.01, rel=0.1)
-    # per-token cost at batch 16 over batch 8: (0.004/16 + 2e-4) / (0.004/8 + 2e-4)
-    assert fc.per_token_ratio(8, 16) == pytest.approx(0.45 / 0.7, rel=0.1)
+    # per-token forward at batch 8: 0.004/8 + 2e-4 = 7e-4; at 16: 4.5e-4. A wall time of just the
+    # forward scales with it; 3e-4 more per token (say, one streamed response per request) stays.
+    assert fc.per_token_at(8, 16, 7e-4) == pytest.approx(4.5e-4, rel=0.1)
+    assert fc.per_token_at(8, 16, 1e-3) == pytest.approx(4.5e-4 + 3e-4, rel=0.1)
 
     # An arm's loss is its decode cost, whatever prefill rode along in its steps.
     p = Planner(PlannerConfig(modes=("ar",)), gamma_max=2, psd_available=False, seed=0)
@@ -731,3 +732,28 @@ def test_an_offload_that_does_not_deliver_is_given_back():
     assert p.offload_policy.last_gain is not None and p.offload_policy.last_gain < 1.05
     assert eng.offloads == 1
 
+
+
+def test_ngram_arms_are_offered_only_with_an_ngram_proposer():
+    without = Planner(gamma_max=2, psd_available=True, seed=0)
+    assert {a[0] for a in without.arms} == {"ar", "sd", "psd"}
+    both = Planner(gamma_max=2, psd_available=True, seed=0, ngram_available=True)
+    assert [a for a in both.arms if a[0] == "ngram"] == [("ngram", 1), ("ngram", 2)]
+    only = Planner(PlannerConfig(modes=("ar", "ngram")), gamma_max=2, psd_available=True, seed=0,
+                   ngram_available=True)
+    assert {a[0] for a in only.arms} == {"ar", "ngram"}
+
+
+def test_ngram_steps_leave_the_drafter_behind_and_turning_it_back_on_costs():
+    p = Planner(PlannerConfig(rebuild_s_per_token=1e-3), gamma_max=2, psd_available=False, seed=0,
+                ngram_available=True)
+    s = LoadSignals(batch_size=4, now=0.0)
+    p.decide(s)
+    p.observe(Decision("ngram", 2), step_wall_s=0.01, tokens_committed=12, batch_size=4)
+    p.observe(Decision("ngram", 2), step_wall_s=0.01, tokens_committed=12, batch_size=4)
+    assert p.lag_tokens() == 24                       # the drafter model saw none of them
+    assert p.estimated_switch_cost_s() == pytest.approx(24e-3)
+    assert p._switch_cost(("ngram", 2), ("sd", 2)) > 0        # its catch-up is a switching cost
+    assert p._switch_cost(("ar", 0), ("ngram", 2)) == 0       # n-gram drafts need no catch-up
+    assert p._switch_cost(("sd", 2), ("psd", 2)) == 0
+    assert Decision("ngram", 2).speculative and not Decision("ngram", 2).uses_drafter

@@ -31,7 +31,7 @@ def auto_engine_config() -> dict:
         "kv_cache_bytes": KV_BLOCKS * _kv_bytes_per_block(TINY_TARGET, TEST_BLOCK_SIZE),
         # offload on sustained pressure alone, and come back as soon as the load fits
         "planner": {"offload_after_steps": 3, "offload_after_s": 0.0, "offload_gain": 0.0,
-                    "reload_after_s": 0.0}}
+                    "offload_demand_ratio": 0.0, "reload_after_s": 0.0}}
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,11 @@ class AdaptiveController:
     def __init__(self, planner: Planner, *, scheduler: Scheduler, kv: PagedKVCache,
                  drafter: DrafterManager, memory: ElasticMemory | None, batch_limit: int,
                  extra_signals: Callable[[LoadSignals], LoadSignals] | None = None,
-                 placement: CpuPlacement | None = None):
-        """`placement`: the CPU placement whose drafter cores serve the target while speculation
-        is off (None: the cores stay with the drafter)."""
+                 placement: CpuPlacement | None = None, ngram: DrafterManager | None = None):
+        """`placement`: the CPU placement whose drafter cores serve the target while the drafter
+        model is idle (None: the cores stay with the drafter). `ngram`: an n-gram proposer held
+        beside the drafter model (the planner's "ngram" arms)."""
+        self.ngram = ngram
         self.planner = planner
         self.placement = placement
         self._ar_steps = 0
@@ -58,6 +60,9 @@ class AdaptiveController:
         signals = self._snapshot()
         decision = self.planner.decide(signals)
         mem = self.memory
+        if decision.mode == "ngram":
+            self._lend_cores()               # n-gram drafts need no drafter model
+            return "ngram", decision.gamma
         if decision.gamma > 0:
             self._ar_steps = 0
             if self.placement is not None:
@@ -69,10 +74,13 @@ class AdaptiveController:
             return decision.mode, decision.gamma
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
             mem.offload()
+        self._lend_cores()
+        return "ar", 0
+
+    def _lend_cores(self) -> None:
         self._ar_steps += 1
         if self.placement is not None and self._ar_steps >= self.LEND_AFTER_STEPS:
             self.placement.lend_drafter_cores()
-        return "ar", 0
 
     def _snapshot(self) -> LoadSignals:
         mem = self.memory
@@ -89,8 +97,8 @@ class AdaptiveController:
 
     def observe(self, step: StepStats, gamma: int, reload_s: float | None) -> None:
         rebuild_s = 0.0
-        if step.drafted:
-            if self._drafter_paused:       # first drafts after a pause: the catch-up's cost
+        if step.drafted and step.mode != "ngram":
+            if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.last_catchup_s
             self._drafter_paused = False
         else:

@@ -1,18 +1,17 @@
 """Engine configuration: what to load, where, and how to decode. Validated at load time."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from backend.errors import ConfigError
+
 MODES = ("ar", "sd", "psd", "auto")
-PROPOSERS = ("drafter", "ngram")
+PROPOSERS = ("drafter", "ngram", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """An engine configuration that cannot work; the message names the key."""
 
 
 @dataclass
@@ -44,9 +43,10 @@ class EngineConfig:
     max_waiting: int = 256
     max_waiting_bytes: int = 64 << 20
     mode: str | None = None                     # default: "sd" with a drafter, else "ar"
-    # What proposes drafts: "drafter" (the drafter checkpoint) or "ngram" (prompt lookup: the
+    # What proposes drafts: "drafter" (the drafter checkpoint), "ngram" (prompt lookup: the
     # continuation of the latest earlier occurrence of the last n tokens, n in
-    # [ngram_min, ngram_max]; no model, no device, no KV).
+    # [ngram_min, ngram_max]; no model, no device, no KV), or "both" (mode auto: the planner
+    # picks the drafter model, n-gram drafts or none, per step).
     proposer: str = "drafter"
     ngram_min: int = 1
     ngram_max: int = 4
@@ -64,6 +64,11 @@ class EngineConfig:
     # ... and, with the drafter a worker on CPU cores of its own, those cores join the target's
     # forward (one more torch thread each) while plain decoding runs, and go back before drafting.
     lend_drafter_cores: bool = True
+    # With the drafter a worker on its own device: after each in-line proposal it drafts the
+    # next round while the target verifies, betting on every draft accepted (PEARL; used when
+    # the bet wins, dropped when not). Sequential SD and batch-parallel SD's in-line fallback
+    # (a sub-batch with nothing drafted, e.g. a single running request) use it.
+    draft_ahead: bool = False
     seed: int = 0
     num_threads: int | None = None              # torch intra-op threads for this process
     # CPU linear kernels: "auto" measures MKL against prepacked oneDNN per row count (once,
@@ -76,6 +81,11 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
         self.validate()
+
+    def ngram_only(self) -> "EngineConfig":
+        """This configuration's n-gram proposer alone (proposer "both" holds it beside the drafter)."""
+        return dataclasses.replace(self, proposer="ngram", drafter=None, drafter_device=None, mode="sd",
+                                   draft_ahead=False)
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -96,6 +106,10 @@ class EngineConfig:
                  "ngram_min, ngram_max: integers with 1 <= ngram_min <= ngram_max <= 16")
         else:
             need(self.mode == "ar" or self.drafter is not None, f"mode {self.mode!r} needs a drafter checkpoint")
+        if self.proposer == "both":
+            need(self.drafter is not None and self.mode == "auto",
+                 "proposer 'both' (drafter model and n-gram, chosen per step) needs a drafter "
+                 "checkpoint and mode 'auto'")
         need(self.mode != "psd" or self.drafter_device is not None,
              "mode 'psd' needs the drafter on its own device: set drafter_device "
              "(e.g. \"cpu\" for a worker pinned to its own core, or \"cuda:1\")")
@@ -111,6 +125,10 @@ class EngineConfig:
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
         need(isinstance(self.lend_drafter_cores, bool), "lend_drafter_cores: must be true or false")
+        need(isinstance(self.draft_ahead, bool), "draft_ahead: must be true or false")
+        need(not self.draft_ahead or (self.drafter_device is not None and self.proposer == "drafter"),
+             "draft_ahead: needs a drafter model on its own device (set drafter_device); drafting "
+             "ahead in line would only delay the step")
         need(self.linear_kernels in ("auto", "mkl"), "linear_kernels: 'auto' or 'mkl'")
         need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
              "max_prompt_bytes: must be a positive integer")

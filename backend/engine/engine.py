@@ -28,13 +28,12 @@ from backend.batching.sequence import Sequence
 from backend.engine.adaptive import AdaptiveController
 from backend.engine.calibration import planner_cost_profile
 from backend.engine.commit import commit_tokens, output_of
-from backend.engine.config import ConfigError, EngineConfig
+from backend.engine.config import EngineConfig
 from backend.engine.intake import Intake, Limits, context_limit
 from backend.engine.memory import ElasticMemory
 from backend.engine.offline import Completion, generate
 from backend.engine.outputs import EngineStats, RequestOutput, StepStats
 from backend.engine.verify import decide
-from backend.model.config import ModelConfig
 from backend.model.kv_cache import PagedKVCache
 from backend.model.linear import pack_linears
 from backend.model.loader import load_model
@@ -42,7 +41,7 @@ from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
 from backend.speculation.manager import DrafterManager
 from backend.speculation.placement import CpuPlacement
-from backend.speculation.strategies import BatchParallelSD, DraftLength, PlainDecoding, SequentialSD
+from backend.speculation.strategies import DraftLength, build_strategies
 from backend.speculation.sub_batches import SubBatches
 
 log = logging.getLogger("nightdraft.engine")
@@ -84,6 +83,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.drafter = self._load_drafter(config) if config.drafter is not None or config.proposer == "ngram" else None
+        # proposer "both": an n-gram proposer beside the drafter model, for mode auto to choose
+        self.ngram = self._load_drafter(config.ngram_only()) if config.proposer == "both" else None
         # Elastic memory lends a drafter model's bytes; an n-gram proposer holds none.
         self.memory = self._init_memory() if config.drafter is not None and config.offload else None
 
@@ -91,19 +92,18 @@ class Engine:
         self.active_mode = "sd" if config.mode == "auto" else config.mode   # what steps run now
         self._lengths = DraftLength(config.gamma if config.mode != "ar" else 0, self.max_model_len)
         self.sub_batches = SubBatches()
-        self._strategies = {"ar": PlainDecoding()}
-        if self.drafter is not None:
-            self._strategies["sd"] = SequentialSD(self.drafter, self._lengths)
-            self._strategies["psd"] = BatchParallelSD(self.drafter, self._lengths, self.sub_batches)
+        self._strategies = build_strategies(self.drafter, self.ngram, self._lengths, self.sub_batches,
+                                            config.draft_ahead)
         self._strategy = self._strategies["ar"]
         self.adaptive: AdaptiveController | None = None
         if config.mode == "auto":
             lending = self._placement if config.lend_drafter_cores else None
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
                               psd_available=self.drafter.remote, seed=config.seed,
+                              ngram_available=self.ngram is not None,
                               cost_profile=planner_cost_profile(config, self.target, self.dtype, lending))
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
-                                               drafter=self.drafter, memory=self.memory,
+                                               drafter=self.drafter, ngram=self.ngram, memory=self.memory,
                                                batch_limit=config.max_num_seqs, extra_signals=extra_signals,
                                                placement=lending)
         self._seqs: dict[str, Sequence] = {}  # ids the step thread knows about
@@ -112,19 +112,8 @@ class Engine:
         self._reload_s: float | None = None         # a reload's duration, not yet reported
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
-        vocab = self.target.config.vocab_size
-        if config.proposer == "ngram":
-            return DrafterManager(config, vocab_size=vocab, kv_cache_bytes=0, max_rows=0, dtype=self.dtype)
-        dcfg = ModelConfig.from_pretrained(config.drafter)
-        if dcfg.vocab_size != self.target.config.vocab_size:
-            raise ConfigError(f"drafter vocab ({dcfg.vocab_size}) differs from the target's "
-                              f"({self.target.config.vocab_size}); they must share a tokenizer")
-        budget = config.drafter_kv_cache_bytes
-        if budget is None:  # as many tokens as the target's pool holds
-            budget = self.kv.num_blocks * PagedKVCache.bytes_per_block(dcfg, config.block_size, self.dtype)
-        return DrafterManager(config, vocab_size=dcfg.vocab_size, kv_cache_bytes=budget,
-                              max_rows=config.max_num_seqs * config.gamma_max, dtype=self.dtype,
-                              cores=self._placement.drafter_cores if self._placement else None)
+        return DrafterManager.for_target(config, self.target.config, self.kv.num_blocks, self.dtype,
+                                         cores=self._placement.drafter_cores if self._placement else None)
 
     def _init_memory(self) -> ElasticMemory:
         """Elastic memory (mode auto's planner drives it; in fixed modes it stays idle unless
@@ -144,8 +133,9 @@ class Engine:
 
     def close(self) -> None:
         """Stop the drafter worker; give the process its cores back. Unusable afterwards."""
-        if self.drafter is not None:
-            self.drafter.close()
+        for proposer in (self.drafter, self.ngram):
+            if proposer is not None:
+                proposer.close()
         if self._placement is not None:
             self._placement.restore()
 
@@ -190,6 +180,7 @@ class Engine:
             s.drafter_kv_usage, s.drafter_state = d.kv_usage, d.state
             s.drafter_failures, s.drafter_restarts = d.failures, d.restarts
             s.drafter_request_failures, s.drafter_catchup_tokens = d.request_failures, d.catchup_tokens
+            s.draft_ahead = d.ahead_summary()
         if self.memory is not None:
             s.offloads, s.reloads = self.memory.offloads, self.memory.reloads
         if self.planner is not None:
@@ -246,7 +237,8 @@ class Engine:
             self._reload_s = self.memory.poll() or self._reload_s
 
     def _account(self, step: StepStats, t0: float, reload_s: float | None) -> None:
-        step.mode = "psd" if step.overlapped else "sd" if step.drafted else "ar"
+        step.mode = "psd" if step.overlapped else \
+            ("ngram" if self._strategy.name == "ngram" else "sd") if step.drafted else "ar"
         t_end = time.perf_counter()
         step.t_step_s = t_end - t0
         # From the previous busy step's end: what the caller does with each step's outputs
@@ -376,8 +368,9 @@ class Engine:
         self.scheduler.remove(seq)
         for strategy in self._strategies.values():
             strategy.forget(seq.request_id)
-        if self.drafter is not None:
-            self.drafter.free(seq.request_id)
+        for proposer in (self.drafter, self.ngram):
+            if proposer is not None:
+                proposer.free(seq.request_id)
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self._seqs.pop(seq.request_id, None)

@@ -83,6 +83,7 @@ class EngineStats:
     drafter_request_failures: int = 0      # requests the drafter could not serve (decoded plainly)
     request_errors: int = 0                # requests failed alone by a fault in a batched step
     drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
+    draft_ahead: dict = field(default_factory=dict)   # pre-draft hits by accepted length (draft_ahead.py)
     offloads: int = 0                      # drafter weights moved to host (elastic memory)
     reloads: int = 0
     planner_switches: int = 0

@@ -27,7 +27,7 @@ nightdraft_spec_decode_draft_tokens_total       counter
 nightdraft_spec_decode_accepted_tokens_total    counter
 nightdraft_spec_decode_acceptance_rate          gauge      accepted / drafted, since start
 nightdraft_spec_decode_gamma                    gauge      speculation length now in use
-nightdraft_pipeline_mode                        gauge      label mode (ar|sd|psd); 1 = current
+nightdraft_pipeline_mode                        gauge      label mode (ar|sd|psd|ngram); 1 = current
 nightdraft_drafter_state                        gauge      label state (none|on_device|offloaded|
                                                            reloading|restarting|failed); 1 = current
 nightdraft_psd_overlap_ratio                    gauge      last PSD step: overlap of draft/verify
@@ -58,7 +58,7 @@ TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 300.0]
 
-MODES = ("ar", "sd", "psd")
+MODES = ("ar", "sd", "psd", "ngram")
 DRAFTER_STATES = ("none", "on_device", "offloaded", "reloading", "restarting", "failed")
 # Cumulative engine counters exported as they are (EngineStats attribute -> family, help).
 EXTRA_COUNTERS = {

@@ -16,6 +16,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ from backend.model.loader import load_model
 from backend.model.llama import CausalLM
 from backend.sampling.sampler import make_generator, processed_probs
 from backend.sampling.params import SamplingParams
+from backend.speculation.draft_ahead import AheadStats, PreDraft
 from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal
 
 
@@ -53,6 +55,8 @@ class Drafter:
         self.last_propose_s = 0.0
         self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
         self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
+        self._ahead: dict[str, PreDraft] = {}     # seq id -> its pre-drafted next round
+        self.ahead_stats = AheadStats()
 
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
@@ -88,6 +92,7 @@ class Drafter:
 
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+        self._ahead.pop(seq_id, None)
         if self.kv is not None:
             self.kv.free(seq_id)
 
@@ -128,6 +133,7 @@ class Drafter:
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         for st in self._seqs.values():
             st.kv_len, st.spec_tail = 0, []
+        self._ahead.clear()
         self.kv = None
         return freed
 
@@ -160,6 +166,9 @@ class Drafter:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    def ahead_summary(self) -> dict:
+        return self.ahead_stats.as_dict()
+
     def refresh_stats(self) -> None:
         """(Its stats are always current in process.)"""
 
@@ -177,6 +186,9 @@ class Drafter:
         proposals = [Proposal([], None) for _ in requests]
         active: list[int] = []
         for i, req in enumerate(requests):
+            pre = self._ahead.pop(req.seq_id, None)
+            if pre is not None and self._use_pre_draft(req, pre, proposals, i):
+                continue
             try:
                 st = self._sync(req)
             except Desynchronised:
@@ -192,6 +204,66 @@ class Drafter:
         self._draft_isolated(requests, active, proposals, t0)
         self.last_propose_s = time.perf_counter() - t0
         return proposals
+
+    def _use_pre_draft(self, req: DraftRequest, pre: PreDraft, proposals: list[Proposal], i: int) -> bool:
+        """Serve `req` from its pre-draft if the verdict is the one it bet on (a hit)."""
+        accepted = pre.accepted(req.start, req.new_tokens)
+        st = self._seqs.get(req.seq_id)
+        hit = st is not None and len(st.tokens) == req.start and pre.matches(req.start, req.new_tokens, req.gamma)
+        if accepted is not None:
+            self.ahead_stats.record(accepted, hit, pre.seconds)
+        if not hit:
+            return False
+        st.tokens.extend(req.new_tokens)
+        st.spec_tail = pre.tokens[:max(st.kv_len - len(st.tokens), 0)]   # K/V written ahead
+        proposals[i] = Proposal(pre.tokens[:req.gamma],
+                                None if pre.probs is None else pre.probs[:req.gamma])
+        return True
+
+    @torch.inference_mode()
+    def draft_ahead(self, requests: list[DraftRequest], proposals: list[Proposal],
+                    should_stop: Callable[[], bool] | None = None) -> None:
+        """Pre-draft the next round of every request that asked for it (``ahead``) and got its
+        full gamma, betting on all its drafts accepted and the bonus token being the drafter's
+        own next token (:mod:`backend.speculation.draft_ahead`). `should_stop` is asked between
+        forwards: the worker stops when the next message arrives."""
+        if self.offloaded:
+            return
+        t0 = time.perf_counter()
+        bets, saved = [], []
+        for req, p in zip(requests, proposals):
+            st = self._seqs.get(req.seq_id)
+            g = req.gamma
+            if (not req.ahead or st is None or p.error or p.resync or g == 0 or len(p.tokens) != g
+                    or st.kv_len != len(st.tokens) + g - 1
+                    or len(st.tokens) + 2 * g + 1 > self.model.config.max_position_embeddings
+                    or not self.kv.ensure_capacity(req.seq_id, len(st.tokens) + 2 * g)):
+                continue
+            saved.append((st, len(st.tokens), st.kv_len, list(st.spec_tail)))
+            st.tokens.extend(p.tokens)           # as if all accepted: d_gamma is fed next
+            st.spec_tail = []
+            bets.append(DraftRequest(req.seq_id, [], g + 1, req.params, len(st.tokens)))
+        if not bets:
+            return
+        drafts = [Proposal([], None) for _ in bets]
+        try:
+            self._draft(bets, list(range(len(bets))), drafts, t0, should_stop=should_stop)
+        except Exception:  # noqa: BLE001 - a failed bet costs nothing: undo it, draft in line later
+            for (st, n, kv_len, tail), bet in zip(saved, bets):
+                del st.tokens[n:]
+                st.kv_len, st.spec_tail = kv_len, tail
+                self.kv.truncate(bet.seq_id, kv_len)
+            return
+        seconds = time.perf_counter() - t0
+        for (st, n, _, _), bet, d in zip(saved, bets, drafts):
+            written = st.tokens[n:] + st.spec_tail      # d_1..d_gamma, then x, e_1, ... as fed
+            del st.tokens[n:]
+            st.spec_tail = written[:st.kv_len - n]
+            if len(d.tokens) < bet.gamma:
+                self.ahead_stats.interrupted += 1
+                continue
+            self._ahead[bet.seq_id] = PreDraft(n, written[:bet.gamma - 1] + d.tokens[:1], d.tokens[1:],
+                                               None if d.probs is None else d.probs[1:], seconds)
 
     def _forget(self, req: DraftRequest, proposals: list[Proposal], i: int, error: Exception) -> None:
         self.free(req.seq_id)
@@ -217,7 +289,8 @@ class Drafter:
             self._draft_isolated(requests, active[:half], proposals, t0)
             self._draft_isolated(requests, active[half:], proposals, t0)
 
-    def _draft(self, requests, active: list[int], proposals: list[Proposal], t0: float) -> None:
+    def _draft(self, requests, active: list[int], proposals: list[Proposal], t0: float,
+               should_stop: Callable[[], bool] | None = None) -> None:
         # Forward 1 feeds each sequence's uncached tail (usually 1-2 tokens); forwards 2..gamma
         # feed the previous draft. A sequence drops out once it has its gamma drafts.
         feed = {i: self._seqs[requests[i].seq_id].tokens[self._seqs[requests[i].seq_id].kv_len:]
@@ -225,7 +298,7 @@ class Drafter:
         catchup = sum(max(0, len(f) - 1) for f in feed.values())
         self.num_catchup_tokens += catchup
         step = 0
-        while active:
+        while active and not (step and should_stop is not None and should_stop()):
             seq_ids = [requests[i].seq_id for i in active]
             states = [self._seqs[s] for s in seq_ids]
             num_new = [len(feed[i]) for i in active]

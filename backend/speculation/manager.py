@@ -18,6 +18,9 @@ import time
 import torch
 
 from backend.batching.sequence import Sequence
+from backend.errors import ConfigError
+from backend.model.config import ModelConfig
+from backend.model.kv_cache import PagedKVCache
 from backend.speculation.drafter import Drafter
 from backend.speculation.ngram import NgramProposer
 from backend.speculation.proposer import DraftRequest, Proposal, Proposer
@@ -53,6 +56,24 @@ class DrafterManager:
         self.drafter: Proposer | None = self._build()
 
     # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def for_target(cls, config, target_config: ModelConfig, target_kv_blocks: int, dtype: torch.dtype,
+                   cores: list[int] | None = None) -> "DrafterManager":
+        """The manager of an engine's proposer: an n-gram one holds nothing; a drafter model must
+        share the target's tokenizer, and its KV pool holds as many tokens as the target's
+        (unless ``drafter_kv_cache_bytes`` says otherwise)."""
+        if config.proposer == "ngram":
+            return cls(config, vocab_size=target_config.vocab_size, kv_cache_bytes=0, max_rows=0, dtype=dtype)
+        dcfg = ModelConfig.from_pretrained(config.drafter)
+        if dcfg.vocab_size != target_config.vocab_size:
+            raise ConfigError(f"drafter vocab ({dcfg.vocab_size}) differs from the target's "
+                              f"({target_config.vocab_size}); they must share a tokenizer")
+        budget = config.drafter_kv_cache_bytes
+        if budget is None:
+            budget = target_kv_blocks * PagedKVCache.bytes_per_block(dcfg, config.block_size, dtype)
+        return cls(config, vocab_size=dcfg.vocab_size, kv_cache_bytes=budget,
+                   max_rows=config.max_num_seqs * config.gamma_max, dtype=dtype, cores=cores)
 
     def _build(self, offloaded: bool = False):
         cfg = self.config
@@ -169,6 +190,10 @@ class DrafterManager:
     def num_sequences(self) -> int:
         return self.drafter.num_sequences() if self.drafter is not None else 0
 
+    def ahead_summary(self) -> dict:
+        """The drafter's draft-ahead counters (hit rate by accepted length, seconds hidden)."""
+        return self.drafter.ahead_summary() if self.drafter is not None else {}
+
     def refresh_stats(self) -> None:
         if self.drafter is not None:
             try:
@@ -178,24 +203,25 @@ class DrafterManager:
 
     # -- the protocol, failure-tolerant ----------------------------------------------------------
 
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[Proposal] | None:
-        """Drafts for (sequence, gamma) pairs, or None when the drafter is unavailable."""
-        return self.collect(self.propose_async(wanted))
+    def propose(self, wanted: list[tuple[Sequence, int]], ahead: bool = False) -> list[Proposal] | None:
+        """Drafts for (sequence, gamma) pairs, or None when the drafter is unavailable.
+        `ahead`: the drafter may then pre-draft the next round (see ``draft_ahead``)."""
+        return self.collect(self.propose_async(wanted, ahead))
 
-    def propose_async(self, wanted: list[tuple[Sequence, int]]):
+    def propose_async(self, wanted: list[tuple[Sequence, int]], ahead: bool = False):
         if not self.available or not wanted:
             return None
-        requests = [self._request(seq, gamma) for seq, gamma in wanted]
+        requests = [self._request(seq, gamma, ahead) for seq, gamma in wanted]
         try:
             return self.drafter.propose_async(requests)
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
 
-    def _request(self, seq: Sequence, gamma: int) -> DraftRequest:
+    def _request(self, seq: Sequence, gamma: int, ahead: bool) -> DraftRequest:
         start = self._synced.get(seq.request_id, 0)
         self._synced[seq.request_id] = len(seq)
-        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start)
+        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start, ahead)
 
     def collect(self, pending) -> list[Proposal] | None:
         if pending is None or self.drafter is None:

@@ -97,6 +97,9 @@ class NgramProposer:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    def ahead_summary(self) -> dict:
+        return {}
+
     def kv_usage(self) -> float:
         return 0.0
 

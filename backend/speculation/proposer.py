@@ -24,6 +24,8 @@ class DraftRequest:
     gamma: int
     params: SamplingParams
     start: int = 0                 # position of new_tokens[0] in the sequence
+    ahead: bool = False            # after proposing, pre-draft the next round (a worker does;
+                                   # in line it would only delay the step: see draft_ahead.py)
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Proposer(Protocol):
     def propose_async(self, requests: list[DraftRequest]) -> Pending: ...
     def free(self, seq_id: str) -> None: ...
     def num_sequences(self) -> int: ...
+    def ahead_summary(self) -> dict:
+        """Draft-ahead counters (``AheadStats.as_dict``); {} for a proposer that never drafts ahead."""
     def kv_usage(self) -> float: ...
     def refresh_stats(self) -> None: ...
     def loaded_bytes(self) -> int:

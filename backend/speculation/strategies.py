@@ -65,9 +65,10 @@ class SequentialSD(PlainDecoding):
     """Draft every scheduled sequence in line, then verify all of them in one target forward."""
     name = "sd"
 
-    def __init__(self, drafter: DrafterManager, lengths: DraftLength):
+    def __init__(self, drafter: DrafterManager, lengths: DraftLength, draft_ahead: bool = False):
         self.drafter = drafter
         self.lengths = lengths
+        self.draft_ahead = draft_ahead      # the worker pre-drafts the next round meanwhile
 
     def schedule(self, scheduler: Scheduler) -> list[ScheduledSeq]:
         return scheduler.schedule(self.lengths)
@@ -77,7 +78,7 @@ class SequentialSD(PlainDecoding):
         want = [s for s in batch if s.gamma > 0 and s.drafts is None]
         if want:
             t0 = time.perf_counter()
-            got = self.drafter.propose([(s.seq, s.gamma) for s in want])
+            got = self.drafter.propose([(s.seq, s.gamma) for s in want], ahead=self.draft_ahead)
             step.t_draft_s += time.perf_counter() - t0
             for s, p in zip(want, got or ()):
                 take(s.seq, p)
@@ -90,8 +91,9 @@ class SequentialSD(PlainDecoding):
 class BatchParallelSD(SequentialSD):
     name = "psd"
 
-    def __init__(self, drafter: DrafterManager, lengths: DraftLength, sub_batches: SubBatches):
-        super().__init__(drafter, lengths)
+    def __init__(self, drafter: DrafterManager, lengths: DraftLength, sub_batches: SubBatches,
+                 draft_ahead: bool = False):
+        super().__init__(drafter, lengths, draft_ahead)
         self.sub_batches = sub_batches
         self._to_draft: set[str] = set()
         self._running: list[Sequence] = []
@@ -170,6 +172,21 @@ class BatchParallelSD(SequentialSD):
         """Leaving batch-parallel mode: no sub-batches, no proposals kept (counters stay)."""
         if any(self.sub_batches.members):
             self.sub_batches.clear()
+
+
+def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | None, lengths: DraftLength,
+                     sub_batches: SubBatches, draft_ahead: bool = False) -> dict:
+    """The engine's strategies by mode name: plain decoding always; sd and psd over the drafter
+    (the n-gram proposer, when it is the only one, drafts for sd); "ngram", sequential SD over
+    an n-gram proposer held beside a drafter model (mode auto chooses per step)."""
+    out = {"ar": PlainDecoding()}
+    if drafter is not None:
+        out["sd"] = SequentialSD(drafter, lengths, draft_ahead)
+        out["psd"] = BatchParallelSD(drafter, lengths, sub_batches, draft_ahead)
+    if ngram is not None:
+        out["ngram"] = SequentialSD(ngram, lengths)
+        out["ngram"].name = "ngram"
+    return out
 
 
 def take(seq: Sequence, proposal: Proposal) -> None:

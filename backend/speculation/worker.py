@@ -4,7 +4,8 @@ On a CUDA host the worker owns a GPU of its own; on a CPU-only host it owns a se
 the engine's process keeps the others), which gives the target and the drafter real parallelism.
 The protocol is a few messages over a pipe: `propose` (per sequence: the tokens committed since
 its last proposal, gamma and sampling params), `free`, `offload`, `reload`, `ping` and
-`shutdown`. Draft probabilities, the only bulky payload, travel one of two ways
+`shutdown`. After answering a `propose` whose requests ask for it, the worker drafts ahead
+(`backend.speculation.draft_ahead`) until the next message arrives. Draft probabilities, the only bulky payload, travel one of two ways
 (`WorkerSpec.probs_transport`): on a CPU host they are written into a shared-memory buffer
 allocated once by the engine and copied out once on arrival; on CUDA they travel as tensors
 (torch's multiprocessing reductions: CUDA IPC handles). The "tensor" transport also runs on
@@ -72,9 +73,20 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
                            pack=spec.pack_linears)
     conn.send(("ready", {"pid": os.getpid(), "loaded_bytes": drafter.loaded_bytes()}))
     capacity = probs_buffer.shape[0] if probs_buffer is not None else 0
+    inbox: list = []        # messages read while drafting ahead, handled next in order
+
+    def engine_waits() -> bool:
+        """Is the engine waiting on this worker? A `free` is only bookkeeping: it is kept for
+        later and the pre-draft goes on; anything else ends it."""
+        while conn.poll(0):
+            inbox.append(conn.recv())
+            if inbox[-1][0] != "free":
+                return True
+        return False
+
     while True:
         try:
-            msg = conn.recv()
+            msg = inbox.pop(0) if inbox else conn.recv()
         except EOFError:
             return
         kind = msg[0]
@@ -98,7 +110,10 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
                 offset += rows
             conn.send(("proposals", call_id, replies, time.perf_counter() - t0,
                        drafter.kv_usage(), drafter.num_sequences(), drafter.num_catchup_tokens,
-                       drafter.last_catchup_s))
+                       drafter.last_catchup_s, drafter.ahead_stats.as_dict()))
+            if any(r.ahead for r in requests):
+                # While the target verifies: the next round, until the next message comes.
+                drafter.draft_ahead(requests, proposals, should_stop=engine_waits)
         elif kind == "free":
             for seq_id in msg[1]:
                 drafter.free(seq_id)
@@ -181,6 +196,7 @@ class RemoteDrafter:
         self.last_propose_s = 0.0
         self.num_catchup_tokens = 0
         self.last_catchup_s = 0.0
+        self.ahead_stats: dict = {}        # the worker's draft-ahead counters (AheadStats.as_dict)
         self.pid = None
         try:
             reply = self._recv(start_timeout_s)
@@ -239,6 +255,9 @@ class RemoteDrafter:
 
     def num_sequences(self) -> int:
         return self._num_sequences
+
+    def ahead_summary(self) -> dict:
+        return dict(self.ahead_stats)
 
     def kv_usage(self) -> float:
         return self._kv_usage
@@ -337,11 +356,12 @@ class RemoteDrafter:
             reply = self._expect("proposals", self.timeout_s)
         finally:
             self._in_flight = None
-        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup, catchup_s = reply
+        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup, catchup_s, ahead = reply
         if got_id != call_id:
             raise DrafterFailed(f"drafter replied to call {got_id}, expected {call_id}")
         self.last_propose_s, self._kv_usage, self._num_sequences = elapsed, kv_usage, num_seqs
         self.num_catchup_tokens, self.last_catchup_s = catchup, catchup_s
+        self.ahead_stats = ahead
         self._flush_frees()
         out = []
         for tokens, where, error, resync in replies:
