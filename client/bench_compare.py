@@ -87,6 +87,9 @@ def build_engines(args, names: list[str]) -> dict:
     engines = {}
     for name in names:
         print(f"loading {name} ...", file=sys.stderr)
+        # An engine with a worker pins this process to the target's cores; the next one must
+        # plan its worker's core from all of them, or its worker lands on the target's core.
+        os.sched_setaffinity(0, both.cores)
         if name == "ar-1dev":
             engines[name] = (Engine(EngineConfig(**common, num_threads=one.threads)), one)
         elif name == "ar-2dev":

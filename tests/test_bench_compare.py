@@ -40,3 +40,42 @@ def test_bench_compare_puts_draft_ahead_beside_sd(tmp_path):
     assert 0 < ahead["ahead_hit_rate"] <= 1 and ahead["ahead_by_accepted"]
     assert sum(r["rounds"] for r in ahead["ahead_by_accepted"].values()) > 0
     assert rows["sd"].get("ahead_hit_rate") is None        # sd itself never drafts ahead
+
+
+def test_every_worker_gets_the_drafter_core_however_many_engines_share_the_process():
+    # Each engine with a worker pins this process to the target's cores; an engine built after it
+    # used to plan its worker from that one core, onto the target's own.
+    import argparse
+    import os
+    from client.bench_compare import build_engines
+    from model_factory import TINY_DRAFTER, TINY_TARGET
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    args = argparse.Namespace(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), device="cpu",
+                              dtype="float32", kv_cache_mb=16, gamma=2)
+    engines = build_engines(args, ["sd", "psd", "sd-ahead"])
+    try:
+        for name, (engine, _) in engines.items():
+            place = engine._placement
+            assert place.drafter_cores == cores[-1:] and cores[-1] not in place.target_cores, name
+    finally:
+        for engine, _ in engines.values():
+            engine.close()
+        os.sched_setaffinity(0, cores)
+
+
+def test_cores_are_not_lent_when_the_drafter_has_none_of_its_own():
+    import os
+    import torch
+    from backend.speculation.placement import CpuPlacement
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        os.sched_setaffinity(0, cores[:1])            # one core: drafter and target share it
+        place = CpuPlacement("cpu", 1)
+        assert place.drafter_cores == place.target_cores == cores[:1]
+        place.lend_drafter_cores()
+        assert torch.get_num_threads() == 1 and not place.lent   # no second thread on the same core
+        place.restore()
+    finally:
+        os.sched_setaffinity(0, cores)

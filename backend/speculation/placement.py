@@ -5,9 +5,12 @@ parent's affinity), and undone when the engine closes.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("nightdraft.placement")
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -35,6 +38,10 @@ def plan_cpu_placement(drafter_device: str) -> tuple[list[int], list[int]]:
             raise ValueError(f"drafter_device {drafter_device!r}: cores {sorted(missing)} are not "
                              f"available to this process (have {available})")
     target = [c for c in available if c not in drafter] or available
+    if set(target) & set(drafter):
+        log.warning("drafter_device %r: only cores %s are available to this process, so the "
+                    "drafter worker shares the target's core (another engine in this process may "
+                    "have pinned it); the two will not run in parallel", drafter_device, available)
     return drafter, target
 
 
@@ -54,17 +61,24 @@ class CpuPlacement:
         """While nothing drafts (plain decoding for a while, or the drafter offloaded), the
         target's forward runs on the drafter's cores too, one more thread per core; the worker
         stays pinned to them, idle. Call from the thread that runs the forwards."""
-        if not self.lent and self._saved is not None:
-            os.sched_setaffinity(0, self.target_cores + self.drafter_cores)
-            torch.set_num_threads(self.target_threads + len(self.drafter_cores))
+        if self._saved is not None and set(self.drafter_cores) - set(self.target_cores):
+            self._apply(self.target_cores + self.drafter_cores, self.target_threads + len(self.drafter_cores))
             self.lent = True
 
     def take_back_drafter_cores(self) -> None:
         """Before the drafter drafts again: the target back on its own cores and threads."""
-        if self.lent and self._saved is not None:
-            os.sched_setaffinity(0, self.target_cores)
-            torch.set_num_threads(self.target_threads)
+        if self._saved is not None:
+            self._apply(self.target_cores, self.target_threads)
             self.lent = False
+
+    @staticmethod
+    def _apply(cores: list[int], threads: int) -> None:
+        # Compared with what is in force, not with what this object last set: a caller (a
+        # benchmark placing its configurations) may have moved the thread meanwhile.
+        if os.sched_getaffinity(0) != set(cores):
+            os.sched_setaffinity(0, cores)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     @classmethod
     def for_config(cls, drafter_device: str | None, num_threads: int | None) -> "CpuPlacement | None":
