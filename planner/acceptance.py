@@ -55,7 +55,10 @@ class AcceptanceEstimate:
 
 
 class CostModelPrior:
-    """``prior(ctx, arm)``: predicted per-token latency of `arm` at the context's reference batch."""
+    """``prior(ctx, arm)``: predicted per-token latency of `arm` at the context's reference batch.
+    An n-gram arm is predicted as plain decoding: its drafts cost next to nothing to make and
+    whether they match is not known before it runs (so it is not tried first for want of a
+    prior, nor favoured; its measurements decide)."""
 
     def __init__(self, profile: CostProfile, acceptance: AcceptanceEstimate, bins: ContextBins):
         self._profile = profile
@@ -69,8 +72,9 @@ class CostModelPrior:
         v = self._cache.get(key)
         if v is None:
             b = max(int(round(self._bins.ref_batch(ctx, 1.0))), 1)
+            mode, gamma = ("ar", 0) if arm[0] == "ngram" else arm
             try:
-                p = predict(arm[0], b, arm[1], alpha, self._profile)
+                p = predict(mode, b, gamma, alpha, self._profile)
                 v = 1.0 / p.tokens_per_s if p.tokens_per_s > 0 else float("nan")
             except ValueError:
                 v = float("nan")

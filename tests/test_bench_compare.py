@@ -10,14 +10,20 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_bench_compare_puts_ngram_beside_plain_decoding(tmp_path):
+def run_compare(tmp_path, *args) -> tuple[dict, subprocess.CompletedProcess]:
+    """`nightdraft bench compare` at concurrency 1, one request per level: its rows by config."""
     out = tmp_path / "compare.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "client.cli", "bench", "compare", "--configs", "ar-1dev,ngram,ngram-auto",
-         "--prompts", "edit", "--concurrency", "1", "--max-tokens", "16", "--requests-per-level", "1",
-         "--json", str(out)], capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "client.cli", "bench", "compare", "--concurrency", "1",
+         "--requests-per-level", "1", "--json", str(out), *args],
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    return {r["config"]: r for r in json.loads(out.read_text())["rows"]}, proc
+
+
+def test_bench_compare_puts_ngram_beside_plain_decoding(tmp_path):
+    rows, proc = run_compare(tmp_path, "--configs", "ar-1dev,ngram,ngram-auto", "--prompts", "edit",
+                             "--max-tokens", "16")
     assert set(rows) == {"ar-1dev", "ngram", "ngram-auto"}
     assert rows["ar-1dev"]["over_ar-1dev"] == 1.0
     # greedy edits repeat their prompt: n-gram drafts are made and some accepted
@@ -28,13 +34,7 @@ def test_bench_compare_puts_ngram_beside_plain_decoding(tmp_path):
 
 
 def test_bench_compare_puts_draft_ahead_beside_sd(tmp_path):
-    out = tmp_path / "compare.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "client.cli", "bench", "compare", "--configs", "sd,sd-ahead",
-         "--concurrency", "1", "--max-tokens", "24", "--requests-per-level", "1", "--gamma", "2",
-         "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    rows, _ = run_compare(tmp_path, "--configs", "sd,sd-ahead", "--max-tokens", "24", "--gamma", "2")
     ahead = rows["sd-ahead"]
     assert ahead["over_without_ahead"] == ahead["tokens_per_s"] / rows["sd"]["tokens_per_s"]
     assert 0 < ahead["ahead_hit_rate"] <= 1 and ahead["ahead_by_accepted"]

@@ -8,8 +8,6 @@ decoding in sd and psd at several concurrencies, with hits counted; sampled outp
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 

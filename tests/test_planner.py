@@ -757,3 +757,15 @@ def test_ngram_steps_leave_the_drafter_behind_and_turning_it_back_on_costs():
     assert p._switch_cost(("ar", 0), ("ngram", 2)) == 0       # n-gram drafts need no catch-up
     assert p._switch_cost(("sd", 2), ("psd", 2)) == 0
     assert Decision("ngram", 2).speculative and not Decision("ngram", 2).uses_drafter
+
+
+def test_ngram_arms_get_plain_decodings_prior():
+    # Without one they would be the only untried arms without a prior, and tried first.
+    from planner.acceptance import AcceptanceEstimate, CostModelPrior
+    from planner.contexts import ContextBins
+    prof = profile()
+    bins = ContextBins("batch", prof, 0.5)
+    prior = CostModelPrior(prof, AcceptanceEstimate(0.6), bins)
+    ctx = bins.context(LoadSignals(batch_size=4))
+    assert prior(ctx, ("ngram", 3)) == prior(ctx, ("ar", 0))
+    assert np.isfinite(prior(ctx, ("ngram", 1)))
