@@ -278,14 +278,19 @@ class MemoryRule:
         if ratio <= 0 or s.demand_tok_s is None:
             return None
         demand = s.demand_tok_s + (s.waiting_tokens or 0) / self.cfg.backlog_clear_s
+        s_per_token = self._best_s_per_token(s, speculative)
+        if s_per_token is None:
+            return None
+        self.last_demand_ratio = demand * s_per_token       # demand / capacity
+        return self.last_demand_ratio >= ratio
+
+    def _best_s_per_token(self, s: LoadSignals, speculative: bool) -> float | None:
+        """Seconds per token of the best arm measured (``gain_min_obs``) in this bin at this
+        batch: speculative arms, or plain decoding; None when none is."""
         ctx = self._bins.context(s)
         means = [m for a, (m, n) in self._bandit.means(ctx).items()
                  if (a[0] != "ar") == speculative and n >= self.cfg.gain_min_obs]
-        if not means:
-            return None
-        s_per_token = min(means) / self._bins.norm(ctx, max(int(s.batch_size), 1))
-        self.last_demand_ratio = demand * s_per_token       # demand / capacity
-        return self.last_demand_ratio >= ratio
+        return min(means) / self._bins.norm(ctx, max(int(s.batch_size), 1)) if means else None
 
     def estimate(self, s: LoadSignals) -> tuple[float, float] | None:
         """(gain, the best speculative arm's per-token latency now). The gain is the predicted
@@ -307,12 +312,11 @@ class MemoryRule:
             b2 = min(b2, float(s.batch_limit))
         if b2 < b + 1:
             return None
+        spec_now = self._best_s_per_token(s, speculative=True)
+        if spec_now is None:
+            return None
         bins, min_obs = self._bins, self.cfg.gain_min_obs
         ctx = bins.context(s)
-        spec = [m for a, (m, n) in self._bandit.means(ctx).items() if a[0] != "ar" and n >= min_obs]
-        if not spec:
-            return None
-        spec_now = min(spec) / bins.norm(ctx, b)
         b2i = int(round(b2))
         ar_here = self._bandit.means(ctx).get(AR.arm)
         if ar_here is not None and ar_here[1] >= min_obs:

@@ -63,9 +63,10 @@ class PlainDecoding:
 
 class SequentialSD(PlainDecoding):
     """Draft every scheduled sequence in line, then verify all of them in one target forward."""
-    name = "sd"
 
-    def __init__(self, drafter: DrafterManager, lengths: DraftLength, draft_ahead: bool = False):
+    def __init__(self, drafter: DrafterManager, lengths: DraftLength, draft_ahead: bool = False,
+                 name: str = "sd"):
+        self.name = name                    # "ngram" when its proposer is the n-gram one
         self.drafter = drafter
         self.lengths = lengths
         self.draft_ahead = draft_ahead      # the worker pre-drafts the next round meanwhile
@@ -89,11 +90,10 @@ class SequentialSD(PlainDecoding):
 
 
 class BatchParallelSD(SequentialSD):
-    name = "psd"
 
     def __init__(self, drafter: DrafterManager, lengths: DraftLength, sub_batches: SubBatches,
                  draft_ahead: bool = False):
-        super().__init__(drafter, lengths, draft_ahead)
+        super().__init__(drafter, lengths, draft_ahead, name="psd")
         self.sub_batches = sub_batches
         self._to_draft: set[str] = set()
         self._running: list[Sequence] = []
@@ -184,8 +184,7 @@ def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | Non
         out["sd"] = SequentialSD(drafter, lengths, draft_ahead)
         out["psd"] = BatchParallelSD(drafter, lengths, sub_batches, draft_ahead)
     if ngram is not None:
-        out["ngram"] = SequentialSD(ngram, lengths)
-        out["ngram"].name = "ngram"
+        out["ngram"] = SequentialSD(ngram, lengths, name="ngram")
     return out
 
 

@@ -110,7 +110,9 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
                 offset += rows
             conn.send(("proposals", call_id, replies, time.perf_counter() - t0,
                        drafter.kv_usage(), drafter.num_sequences(), drafter.num_catchup_tokens,
-                       drafter.last_catchup_s, drafter.ahead_stats.as_dict()))
+                       drafter.last_catchup_s,
+                       drafter.ahead_stats.as_dict() if drafter.ahead_stats.rounds or drafter.ahead_stats.interrupted
+                       else None))
             if any(r.ahead for r in requests):
                 # While the target verifies: the next round, until the next message comes.
                 drafter.draft_ahead(requests, proposals, should_stop=engine_waits)
@@ -361,7 +363,8 @@ class RemoteDrafter:
             raise DrafterFailed(f"drafter replied to call {got_id}, expected {call_id}")
         self.last_propose_s, self._kv_usage, self._num_sequences = elapsed, kv_usage, num_seqs
         self.num_catchup_tokens, self.last_catchup_s = catchup, catchup_s
-        self.ahead_stats = ahead
+        if ahead is not None:           # sent once a pre-draft has met a verdict
+            self.ahead_stats = ahead
         self._flush_frees()
         out = []
         for tokens, where, error, resync in replies:
