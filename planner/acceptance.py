@@ -4,6 +4,8 @@
   sequence; inverting ``E(alpha, gamma)`` (:func:`~planner.cost_model.expected_tokens_per_call`)
   gives the per-position acceptance alpha, averaged over the gammas seen (``alpha_prior`` until
   an SD step is seen; recomputed every 8 SD observations: the cost model's prior follows it).
+* :class:`MatchRate` — the n-gram drafts' per-position acceptance, from what they would have
+  matched on every step (the engine's shadow lookup), discounted so that it follows the text.
 * :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted
   per-token latency at a context's reference batch, at the estimated alpha: the bandit's warm
   start (only its ordering of the arms has to be right; the bandit calibrates its scale).
@@ -54,25 +56,53 @@ class AcceptanceEstimate:
         return min(max(sum(vals) / len(vals), 0.01), 0.99)
 
 
+class MatchRate:
+    """``matched / compared`` over the positions the n-gram lookup's drafts were checked against
+    the committed tokens, both discounted by `discount` per observed step (None until
+    `min_compared` positions were seen)."""
+
+    def __init__(self, discount: float = 0.98, min_compared: float = 16.0):
+        self.discount, self.min_compared = discount, min_compared
+        self._matched = self._compared = 0.0
+
+    def observe(self, matched: int, compared: int) -> None:
+        if compared <= 0:
+            return
+        self._matched = self._matched * self.discount + matched
+        self._compared = self._compared * self.discount + compared
+
+    def alpha(self) -> float | None:
+        if self._compared < self.min_compared:
+            return None
+        return min(max(self._matched / self._compared, 0.01), 0.99)
+
+
 class CostModelPrior:
     """``prior(ctx, arm)``: predicted per-token latency of `arm` at the context's reference batch.
-    An n-gram arm is predicted as plain decoding: its drafts cost next to nothing to make and
-    whether they match is not known before it runs (so it is not tried first for want of a
-    prior, nor favoured; its measurements decide)."""
+    An n-gram arm is predicted at the n-gram drafts' measured match rate (`ngram`), its drafts
+    free; before that is measured, as plain decoding (not tried first for want of a prior, nor
+    favoured)."""
 
-    def __init__(self, profile: CostProfile, acceptance: AcceptanceEstimate, bins: ContextBins):
+    def __init__(self, profile: CostProfile, acceptance: AcceptanceEstimate, bins: ContextBins,
+                 ngram: MatchRate | None = None):
         self._profile = profile
         self._acceptance = acceptance
+        self._ngram = ngram
         self._bins = bins
         self._cache: dict = {}
 
     def __call__(self, ctx: Hashable, arm: tuple[str, int]) -> float:
-        alpha = round(self._acceptance.alpha(), 2)
+        mode, gamma = arm
+        alpha = self._acceptance.alpha()
+        if mode == "ngram":
+            alpha = self._ngram.alpha() if self._ngram is not None else None
+            if alpha is None:
+                mode, gamma, alpha = "ar", 0, 0.0
+        alpha = round(alpha, 2)
         key = (ctx, arm, alpha)
         v = self._cache.get(key)
         if v is None:
             b = max(int(round(self._bins.ref_batch(ctx, 1.0))), 1)
-            mode, gamma = ("ar", 0) if arm[0] == "ngram" else arm
             try:
                 p = predict(mode, b, gamma, alpha, self._profile)
                 v = 1.0 / p.tokens_per_s if p.tokens_per_s > 0 else float("nan")

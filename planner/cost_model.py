@@ -8,6 +8,7 @@ per-position acceptance rate. With those (Leviathan et al. 2023):
     tokens per target call  E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
     AR   throughput = b / T_verify(b, 1)
     SD   throughput = b * E / (gamma * T_draft(b) + T_verify(b, gamma + 1))
+    n-gram throughput = b * E / T_verify(b, gamma + 1)   (SD whose drafts cost nothing)
     PSD  throughput = (b/2) * E / max(gamma * T_draft(b/2), T_verify(b/2, gamma + 1))
 
 PSD verifies one half of the batch while the drafter, on its own device, drafts the other half,
@@ -100,6 +101,9 @@ def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfil
     if mode == "sd":
         step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1)
         return Prediction("sd", batch, gamma, batch * e / step, step, e)
+    if mode == "ngram":
+        step = profile.t_verify(batch, gamma + 1)
+        return Prediction("ngram", batch, gamma, batch * e / step, step, e)
     if mode == "psd":
         if batch < 2:   # one sub-batch is empty: PSD falls back to sequential SD
             return predict("sd", batch, gamma, alpha, profile)

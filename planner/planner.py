@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Hashable
 
-from planner.acceptance import AcceptanceEstimate, CostModelPrior
+from planner.acceptance import AcceptanceEstimate, CostModelPrior, MatchRate
 from planner.arms import AR, Arm, Decision, arm_str, make_arms
 from planner.bandit import ContextualBandit
 from planner.config import DRAFTER_MODES, PlannerConfig
@@ -80,8 +80,9 @@ class Planner:
         self.forward_cost = ForwardCost()
         self._loss = StepLoss(self.bins, self.forward_cost, cfg.wall_includes_rebuild)
         self._acceptance = AcceptanceEstimate(cfg.alpha_prior)
+        self._ngram_matches = MatchRate()
         self._switch = SwitchCost(cfg, cost_profile)
-        prior = (CostModelPrior(cost_profile, self._acceptance, self.bins)
+        prior = (CostModelPrior(cost_profile, self._acceptance, self.bins, self._ngram_matches)
                  if cost_profile is not None else None)
         self.bandit = ContextualBandit(self.arms, cfg.bandit, seed=seed,
                                        switch_cost=self._switch_cost, prior=prior)
@@ -140,14 +141,17 @@ class Planner:
     def observe(self, decision: Decision, *, step_wall_s: float, tokens_committed: int,
                 drafter_rebuild_s: float = 0.0, drafter_reload_s: float = 0.0,
                 batch_size: int, prefill_tokens: int = 0, forward_tokens: int = 0,
-                forward_s: float = 0.0) -> None:
+                forward_s: float = 0.0, ngram_matched: int = 0, ngram_compared: int = 0) -> None:
         """Feed back one step: the decision the engine actually ran (not the one asked for, when
         e.g. the drafter was still reloading), its wall time, the tokens it committed over all
         sequences, the sequences it advanced, and the drafter's catch-up / reload times when
         speculation resumed after a gamma = 0 period. With ``prefill_tokens`` (prompt tokens fed
         this step) and the target forward's size and time (``forward_tokens``, ``forward_s``),
         the prefill's share of the wall time is estimated (:mod:`planner.step_costs`) and not
-        charged to the arm."""
+        charged to the arm. ``ngram_matched`` / ``ngram_compared``: positions the n-gram lookup's
+        drafts would have matched of those checked against this step's tokens, whatever ran (the
+        n-gram arms' prior)."""
+        self._ngram_matches.observe(ngram_matched, ngram_compared)
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
             ctx = self.bins.context(LoadSignals(batch_size=batch_size))
@@ -257,6 +261,7 @@ class Planner:
             "arm_counts": {arm_str(a): n for a, n in self.bandit.arm_counts().items()},
             "switch_cost": self._switch.summary(self._drafter.offloaded),
             "alpha_estimate": self.alpha_estimate(),
+            "ngram_alpha_estimate": self._ngram_matches.alpha(),
             "forward_s_per_token": self.forward_cost.seconds_per_token,
         }
 

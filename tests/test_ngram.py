@@ -3,13 +3,14 @@ only, and that the engine with it decodes exactly as plain decoding, greedy and 
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from backend.engine.config import ConfigError, EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling.params import SamplingParams
-from backend.speculation.ngram import NgramProposer
+from backend.speculation.ngram import NgramProposer, NgramShadow
 from backend.speculation.proposer import DraftRequest
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
@@ -81,6 +82,36 @@ def test_sampled_requests_get_one_hot_draft_distributions():
     assert prop.probs.argmax(dim=1).tolist() == [3, 1, 2]
 
 
+def _seq(sid: str, tokens: list[int], speculates: bool = True):
+    return SimpleNamespace(request_id=sid, token_ids=list(tokens), speculates=speculates)
+
+
+def test_the_shadow_counts_what_the_lookups_drafts_would_have_matched():
+    sh = NgramShadow(gamma=3, min_n=1, max_n=3)
+    a = _seq("a", [1, 2, 3, 1, 2])
+    assert sh.observe([a]) == (0, 0)          # first sight: the proposal (3, 1, 2) is made
+    a.token_ids += [3, 1, 9]                   # two drafted tokens match, the third does not
+    assert sh.observe([a]) == (2, 3)
+    a.token_ids += [9]                         # 9 never occurred before: there was no proposal
+    assert sh.observe([a]) == (0, 1)
+    a.token_ids += [9, 5]                      # the last 9 was followed by 9: proposal [9], matched
+    assert sh.observe([a]) == (1, 1)           # (and nothing further to compare it with)
+
+
+def test_the_shadow_counts_no_proposal_as_a_miss_and_skips_what_does_not_speculate():
+    sh = NgramShadow(gamma=2, min_n=2, max_n=2)
+    b = _seq("b", [1, 2, 3])                   # the bigram (2, 3) never occurred before
+    off = _seq("off", [5, 6, 5, 6], speculates=False)
+    sh.observe([b, off])
+    b.token_ids += [4]
+    off.token_ids += [5]
+    assert sh.observe([b, off]) == (0, 1)      # b: one compared, none matched; off: not counted
+    # a sequence that left the batch is forgotten; seen again, it is indexed afresh first
+    sh.observe([])
+    b.token_ids += [2, 3]
+    assert sh.observe([b]) == (0, 0)
+
+
 def test_config_rejects_what_ngram_cannot_do():
     base = dict(target=str(TINY_TARGET), proposer="ngram", kv_cache_bytes=8 << 20)
     assert EngineConfig(**base).mode == "sd"                    # speculates by default, no drafter
@@ -130,9 +161,9 @@ def test_the_planner_chooses_between_drafter_ngram_and_none_per_step(plain_greed
     # proposer "both": the drafter model in its worker and an n-gram proposer in one engine; the
     # planner's arms are ar, sd:g, psd:g and ngram:g, scored by what they deliver. Greedy output
     # stays plain decoding's, and over text that copies its prompt and then sampled code every
-    # kind of arm runs. (Which wins is the bandit's measurement: an n-gram step that finds no
-    # match decodes plainly, on the target plus the drafter's lent cores, so on sampled code it
-    # competes with the drafter's arms; the choice itself is tested in test_planner.py.)
+    # kind of arm runs. The n-gram drafts' shadow match rate (measured on every step, whatever
+    # ran) is high on the copying text and low on the held-out code: it is what sends the
+    # planner to the n-gram arms before they have run (the choice itself: test_planner.py).
     from client.prompts import load_prompts
     e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), proposer="both",
                             mode="auto", gamma=3, gamma_max=3, drafter_device="cpu",
@@ -151,10 +182,12 @@ def test_the_planner_chooses_between_drafter_ngram_and_none_per_step(plain_greed
         out = [c.output_ids for c in e.generate(prompts, [params] * len(prompts), max_concurrency=4,
                                                on_step=lambda _o: modes.update([e.stats().last_step.mode]))]
         assert out == plain_greedy
+        copying = e.planner.summary()["ngram_alpha_estimate"]
         sampled = [SamplingParams(max_tokens=64, temperature=1.0, seed=i, ignore_eos=True) for i in range(16)]
         e.generate(load_prompts(n=16), sampled, max_concurrency=4,        # held-out code
                    on_step=lambda _o: modes.update([e.stats().last_step.mode]))
         total = plays()
+        assert copying > 0.3 and e.planner.summary()["ngram_alpha_estimate"] < 0.15
         assert total["sd"] + total["psd"] > 0 and total["ngram"] > 0 and total["ar"] > 0, total
         assert modes["ngram"] > 0 and modes["sd"] + modes["psd"] > 0, modes   # ran what it chose
     finally:

@@ -2,6 +2,7 @@
 synthetic engine where speculation wins at small batches and plain decoding at large ones."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 import time
 
@@ -759,13 +760,47 @@ def test_ngram_steps_leave_the_drafter_behind_and_turning_it_back_on_costs():
     assert Decision("ngram", 2).speculative and not Decision("ngram", 2).uses_drafter
 
 
-def test_ngram_arms_get_plain_decodings_prior():
+def test_ngram_arms_get_plain_decodings_prior_until_their_matches_are_measured():
     # Without one they would be the only untried arms without a prior, and tried first.
-    from planner.acceptance import AcceptanceEstimate, CostModelPrior
+    from planner.acceptance import AcceptanceEstimate, CostModelPrior, MatchRate
     from planner.contexts import ContextBins
     prof = profile()
     bins = ContextBins("batch", prof, 0.5)
-    prior = CostModelPrior(prof, AcceptanceEstimate(0.6), bins)
+    matches = MatchRate()
+    prior = CostModelPrior(prof, AcceptanceEstimate(0.6), bins, matches)
     ctx = bins.context(LoadSignals(batch_size=4))
     assert prior(ctx, ("ngram", 3)) == prior(ctx, ("ar", 0))
     assert np.isfinite(prior(ctx, ("ngram", 1)))
+    # text that repeats its context: the drafts would have matched 9 positions in 10, for free
+    for _ in range(10):
+        matches.observe(9, 10)
+    assert prior(ctx, ("ngram", 3)) < prior(ctx, ("sd", 3)) < prior(ctx, ("ar", 0))
+    # text that does not: the shadow drafts missed; an n-gram arm now costs more than plain decoding
+    for _ in range(300):
+        matches.observe(0, 4)
+    assert matches.alpha() < 0.05
+    assert prior(ctx, ("ngram", 3)) > prior(ctx, ("ar", 0))
+
+
+def test_the_planner_picks_ngram_drafts_when_they_would_have_matched():
+    # The n-gram shadow measurement, reported with every step, turns the planner to the n-gram
+    # arms before any n-gram step has run; the measured steps then keep it there. Without it the
+    # n-gram arms look like plain decoding and, at this load, are not tried within 40 steps.
+    def run(shadow: bool) -> tuple[Planner, Counter]:
+        p = Planner(gamma_max=3, psd_available=False, seed=0, ngram_available=True,
+                    cost_profile=profile())
+        modes = Counter()
+        for step in range(40):
+            d = p.decide(LoadSignals(batch_size=4, now=0.01 * step))
+            modes[d.mode] += 1
+            committed = 4 * (d.gamma + 1) if d.mode == "ngram" else 4 * 2
+            wall = 0.012 if d.mode == "ngram" else 0.02
+            p.observe(d, step_wall_s=wall, tokens_committed=committed, batch_size=4,
+                      ngram_matched=12 if shadow else 0, ngram_compared=12 if shadow else 0)
+        return p, modes
+    p, modes = run(shadow=True)
+    assert p.summary()["ngram_alpha_estimate"] > 0.9
+    assert modes["sd"] > 0                            # first: the drafter at alpha 0.6, before the matches add up
+    assert p.current == Decision("ngram", 3) and modes["ngram"] > 30
+    p, modes = run(shadow=False)
+    assert p.summary()["ngram_alpha_estimate"] is None and modes["ngram"] == 0

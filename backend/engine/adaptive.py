@@ -20,6 +20,7 @@ from backend.engine.memory import ElasticMemory
 from backend.engine.outputs import StepStats
 from backend.model.kv_cache import PagedKVCache
 from backend.speculation.manager import DrafterManager
+from backend.speculation.ngram import NgramShadow
 from backend.speculation.placement import CpuPlacement
 
 
@@ -32,11 +33,12 @@ class AdaptiveController:
     def __init__(self, planner: Planner, *, scheduler: Scheduler, kv: PagedKVCache,
                  drafter: DrafterManager, memory: ElasticMemory | None, batch_limit: int,
                  extra_signals: Callable[[LoadSignals], LoadSignals] | None = None,
-                 placement: CpuPlacement | None = None, ngram: DrafterManager | None = None):
+                 placement: CpuPlacement | None = None, ngram_shadow: NgramShadow | None = None):
         """`placement`: the CPU placement whose drafter cores serve the target while the drafter
-        model is idle (None: the cores stay with the drafter). `ngram`: an n-gram proposer held
-        beside the drafter model (the planner's "ngram" arms)."""
-        self.ngram = ngram
+        model is idle (None: the cores stay with the drafter). `ngram_shadow`: with an n-gram
+        proposer beside the drafter model (the planner's "ngram" arms), what its drafts would
+        have matched, measured on every step."""
+        self.ngram_shadow = ngram_shadow
         self.planner = planner
         self.placement = placement
         self._ar_steps = 0
@@ -105,8 +107,11 @@ class AdaptiveController:
             self._drafter_paused = True
         # Score what actually ran (the drafter may still have been on its way back).
         ran = Decision(step.mode, gamma) if step.drafted else Decision("ar", 0)
+        matched, compared = (self.ngram_shadow.observe(self.scheduler.running)
+                             if self.ngram_shadow is not None else (0, 0))
         self.planner.observe(ran, step_wall_s=step.t_cycle_s,
                              tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
                              drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
                              prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
-                             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s)
+                             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
+                             ngram_matched=matched, ngram_compared=compared)

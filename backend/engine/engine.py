@@ -40,6 +40,7 @@ from backend.model.loader import load_model
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
 from backend.speculation.manager import DrafterManager
+from backend.speculation.ngram import NgramShadow
 from backend.speculation.placement import CpuPlacement
 from backend.speculation.strategies import DraftLength, build_strategies
 from backend.speculation.sub_batches import SubBatches
@@ -102,10 +103,12 @@ class Engine:
                               psd_available=self.drafter.remote, seed=config.seed,
                               ngram_available=self.ngram is not None,
                               cost_profile=planner_cost_profile(config, self.target, self.dtype, lending))
+            shadow = (NgramShadow(config.gamma_max, config.ngram_min, config.ngram_max)
+                      if self.ngram is not None else None)
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
-                                               drafter=self.drafter, ngram=self.ngram, memory=self.memory,
+                                               drafter=self.drafter, memory=self.memory,
                                                batch_limit=config.max_num_seqs, extra_signals=extra_signals,
-                                               placement=lending)
+                                               placement=lending, ngram_shadow=shadow)
         self._seqs: dict[str, Sequence] = {}  # ids the step thread knows about
         self._stats = EngineStats()
         self._prev_busy_end: float | None = None    # end of the last step that left work to do

@@ -24,9 +24,28 @@ from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Pro
 
 @dataclass
 class _Index:
+    min_n: int
+    max_n: int
     tokens: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)   # n-gram -> last end position
     indexed: int = 0               # n-grams ending before this position are in `ends`
+
+    def extend(self, new_tokens: list[int]) -> None:
+        toks = self.tokens
+        toks.extend(new_tokens)
+        for end in range(self.indexed, len(toks) - 1):     # n-grams ending before the last token
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.ends[tuple(toks[end - n + 1:end + 1])] = end
+        self.indexed = max(self.indexed, len(toks) - 1)
+
+    def lookup(self, gamma: int) -> list[int]:
+        """Up to `gamma` tokens that followed the longest earlier occurrence of the suffix."""
+        toks = self.tokens
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            end = self.ends.get(tuple(toks[len(toks) - n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + gamma]
+        return []
 
 
 class NgramProposer:
@@ -57,7 +76,7 @@ class NgramProposer:
                 self.free(req.seq_id)
                 out.append(Proposal([], None, resync=True))
                 continue
-            tokens = self._lookup(ix, req.gamma)
+            tokens = ix.lookup(req.gamma)
             probs = None
             if tokens and not req.params.greedy:
                 probs = torch.zeros(len(tokens), self.vocab_size, device=self.device)
@@ -69,25 +88,12 @@ class NgramProposer:
     def _sync(self, req: DraftRequest) -> _Index:
         ix = self._seqs.get(req.seq_id)
         if ix is None or req.start == 0:
-            ix = self._seqs[req.seq_id] = _Index()
+            ix = self._seqs[req.seq_id] = _Index(self.min_n, self.max_n)
         if req.start != len(ix.tokens):
             raise Desynchronised(f"sequence {req.seq_id!r}: tokens from position {req.start}, "
                                  f"the proposer holds {len(ix.tokens)}")
-        ix.tokens.extend(req.new_tokens)
-        toks = ix.tokens
-        for end in range(ix.indexed, len(toks) - 1):     # n-grams ending before the last token
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                ix.ends[tuple(toks[end - n + 1:end + 1])] = end
-        ix.indexed = max(ix.indexed, len(toks) - 1)
+        ix.extend(req.new_tokens)
         return ix
-
-    def _lookup(self, ix: _Index, gamma: int) -> list[int]:
-        toks = ix.tokens
-        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
-            end = ix.ends.get(tuple(toks[len(toks) - n:]))
-            if end is not None:
-                return toks[end + 1:end + 1 + gamma]
-        return []
 
     # ---- the rest of the Proposer interface: nothing to hold, move or stop
 
@@ -117,3 +123,60 @@ class NgramProposer:
 
     def close(self, timeout_s: float = 5.0) -> None:
         pass
+
+
+class NgramShadow:
+    """What n-gram drafts would have matched, measured on every step whatever the step ran.
+
+    Before a step, each speculating sequence has the proposal the n-gram lookup would make (up to
+    `gamma` tokens); after it, the tokens the step committed are compared with it, position by
+    position up to the first mismatch. Committed tokens follow the target's distribution whatever
+    proposed them (speculation is lossless), so a drafted token matches with probability p(x), the
+    chance rejection sampling accepts it: ``matched / compared`` estimates the n-gram drafts'
+    per-position acceptance before any n-gram step has run. A sequence with no proposal counts as
+    one compared, none matched (its n-gram step would decode it plainly)."""
+
+    def __init__(self, gamma: int, min_n: int = 1, max_n: int = 4):
+        self.gamma, self.min_n, self.max_n = gamma, min_n, max_n
+        self._seqs: dict[str, tuple[_Index, list[int]]] = {}   # id -> (index, its next proposal)
+
+    def observe(self, sequences) -> tuple[int, int]:
+        """(matched, compared) positions over the tokens `sequences` (the running ones, each
+        with ``request_id``, ``token_ids``, ``speculates``) committed since the last call."""
+        matched = compared = 0
+        seen = set()
+        for seq in sequences:
+            if not seq.speculates:
+                continue
+            sid = seq.request_id
+            seen.add(sid)
+            held = self._seqs.get(sid)
+            toks = seq.token_ids
+            if held is None or len(held[0].tokens) > len(toks):
+                ix = _Index(self.min_n, self.max_n)
+                ix.extend(toks)
+            else:
+                ix, proposal = held
+                new = toks[len(ix.tokens):]
+                if not new:
+                    continue
+                m, c = _prefix_match(proposal, new)
+                matched, compared = matched + m, compared + c
+                ix.extend(new)
+            self._seqs[sid] = (ix, ix.lookup(self.gamma))
+        for sid in [s for s in self._seqs if s not in seen]:
+            del self._seqs[sid]
+        return matched, compared
+
+
+def _prefix_match(proposal: list[int], committed: list[int]) -> tuple[int, int]:
+    """(matched, compared): positions compared up to and including the first mismatch (or as
+    far as both reach), of them matched."""
+    if not proposal:
+        return 0, 1
+    m = 0
+    for p, t in zip(proposal, committed):
+        if p != t:
+            return m, m + 1
+        m += 1
+    return m, m
