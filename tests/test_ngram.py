@@ -226,6 +226,33 @@ def test_ngram_sampled_tokens_follow_the_target():
     e.close()
 
 
+def test_proposer_both_sampled_tokens_follow_the_target():
+    """The same chi-square check with the planner moving between the drafter model, n-gram
+    drafts and plain decoding inside each request's tokens. A cold start (no cost profile) makes
+    the bandit try every untried arm first, so every kind of step runs whatever the timings."""
+    import test_sampling_exactness as exactness
+
+    hf = exactness.load_target_hf()
+    from backend.model.tokenizer import Tokenizer
+    prompt = "import os\nimport sys\nimport os\nimport sys\nimport "
+    ids = Tokenizer.from_pretrained(str(TINY_TARGET)).encode(prompt)
+    t1 = int(exactness.next_probs(hf, [ids])[0].argmax())
+    exact = (ids, exactness.marginal_after(hf, ids), t1, exactness.marginal_after(hf, ids + [t1]))
+    e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), proposer="both",
+                            mode="auto", gamma=2, gamma_max=2, planner_cost_profile="off",
+                            kv_cache_bytes=32 << 20))
+    modes = Counter()
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(exactness.N)]
+    try:
+        runs = [c.output_ids for c in e.generate([prompt] * len(params), params, max_concurrency=48,
+                                                on_step=lambda _o: modes.update([e.stats().last_step.mode]))]
+        assert modes["ngram"] > 0 and modes["sd"] > 0 and modes["ar"] > 0, modes
+        assert e.stats().drafted_tokens > 0 and 0 < e.stats().acceptance_rate < 1
+        exactness.check(exact, runs, "both")
+    finally:
+        e.close()
+
+
 @pytest.mark.slow
 def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
     """engine.json with `"proposer": "ngram"` behind a real tritonserver: concurrent gRPC streams
