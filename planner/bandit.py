@@ -47,8 +47,7 @@ counters ``switches``, ``shifts``, ``stale_resets``.
 loss)`` reports the step's loss for the arm actually run. Both are cheap: a decision (a few tens
 of microseconds) is made only when a block ends. ``select(context, allowed=...)`` restricts the
 choice to the arms the caller can run now (the planner: only plain decoding while the drafter's
-memory is lent to the KV pool), ``explore_scale`` narrows (or widens) the confidence bounds of
-the decision; a held block of another arm ends, and ``interrupt()`` ends every
+memory is lent to the KV pool); a held block of another arm ends, and ``interrupt()`` ends every
 held block, so that the first unrestricted step decides afresh.
 """
 from __future__ import annotations
@@ -198,15 +197,14 @@ class ContextualBandit:
         L = math.ceil((self.config.block_growth - 1.0) * float(b.n[i]))
         return int(min(max(L, self.config.initial_block), self.config.max_block))
 
-    def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None,
-                explore_scale: float = 1.0) -> int:
+    def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None) -> int:
         means, cnt, sigma, known = self._estimates(context, b)
         candidates = range(len(self.arms)) if allowed is None else sorted(allowed)
         untried = [i for i in candidates if not known[i]]
         if untried:
             return self._rng.choice(untried)
         total = float(np.sum(cnt))
-        bonus = self.config.explore * explore_scale * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
+        bonus = self.config.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
         index = means - bonus
         if allowed is not None:
             index[[i for i in range(len(self.arms)) if i not in allowed]] = np.inf
@@ -230,11 +228,9 @@ class ContextualBandit:
 
     # ------------------------------------------------------------------ API
 
-    def select(self, context: Context, allowed: Sequence[Arm] | None = None,
-               explore_scale: float = 1.0) -> Arm:
+    def select(self, context: Context, allowed: Sequence[Arm] | None = None) -> Arm:
         """The arm to run for this step (part of the block held for this context), among
-        `allowed` when given; a decision made now widens the confidence bounds by
-        `explore_scale` (below 1: explore less, e.g. while exploring costs others their wait)."""
+        `allowed` when given."""
         allow = None
         if allowed is not None:
             allow = frozenset(self._index[a] for a in allowed)
@@ -264,7 +260,7 @@ class ContextualBandit:
             b.block_left -= 1
             return self._play(b.block_arm)
 
-        i = self._decide(context, b, allow, explore_scale)
+        i = self._decide(context, b, allow)
         if i == b.block_arm and b.block_left > 0:      # the paused block wins again: resume it
             b.block_left -= 1
             return self._play(i)

@@ -154,9 +154,6 @@ class PlannerConfig:
     lag_cap_steps: int = _setting(256, "int", _ge(0))
     wall_includes_rebuild: bool = _setting(True, "bool")
     cost_ewma: float = _setting(0.3, "float", _unit(True, False))
-    # exploration while requests wait: the bandit's confidence bounds x this (a step spent on a
-    # worse arm then delays every queued request, and near capacity the queue compounds it)
-    queue_explore: float = _setting(0.25, "float", _ge(0))
     # elastic memory
     offload_after_steps: int = _setting(50, "int", _ge(1))
     offload_after_s: float = _setting(1.0, "float", _ge(0))

@@ -110,9 +110,7 @@ class Planner:
         self._drafter.report(signals.drafter_offloaded)
         if signals.drafter_lag_tokens is not None:
             self._switch.engine_lag = int(signals.drafter_lag_tokens)
-        explore = self.config.queue_explore if signals.waiting > 0 else 1.0
-        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(signals, now),
-                                               explore_scale=explore)]
+        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(signals, now))]
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)
