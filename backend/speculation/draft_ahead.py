@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.speculation.proposer import common_prefix_len
+
 
 @dataclass
 class PreDraft:
@@ -38,12 +40,7 @@ class PreDraft:
         """How many of the bet-on drafts the verdict accepted (None: not this round's verdict)."""
         if start != self.start:
             return None
-        k = 0
-        for drafted, committed in zip(self.expect[:-1], new_tokens[:-1]):
-            if drafted != committed:
-                break
-            k += 1
-        return k
+        return common_prefix_len(self.expect[:-1], new_tokens[:-1])
 
 
 @dataclass

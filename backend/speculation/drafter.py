@@ -27,7 +27,7 @@ from backend.model.llama import CausalLM
 from backend.sampling.sampler import make_generator, processed_probs
 from backend.sampling.params import SamplingParams
 from backend.speculation.draft_ahead import AheadStats, PreDraft
-from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal
+from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal, common_prefix_len
 
 
 @dataclass
@@ -344,11 +344,7 @@ class Drafter:
                 int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(seed, self.device))
         base = len(st.tokens)
-        matched = 0
-        for drafted, committed in zip(st.spec_tail, req.new_tokens):
-            if drafted != committed:
-                break
-            matched += 1
+        matched = common_prefix_len(st.spec_tail, req.new_tokens)
         st.tokens.extend(req.new_tokens)
         st.kv_len = min(st.kv_len, base + matched, len(st.tokens) - 1)
         st.spec_tail = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal
+from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal, common_prefix_len
 
 
 @dataclass
@@ -174,9 +174,5 @@ def _prefix_match(proposal: list[int], committed: list[int]) -> tuple[int, int]:
     far as both reach), of them matched."""
     if not proposal:
         return 0, 1
-    m = 0
-    for p, t in zip(proposal, committed):
-        if p != t:
-            return m, m + 1
-        m += 1
-    return m, m
+    m = common_prefix_len(proposal, committed)
+    return m, m + 1 if m < min(len(proposal), len(committed)) else m

@@ -36,6 +36,16 @@ class Proposal:
     resync: bool = False           # the proposer lacks this sequence's tokens: send them all again
 
 
+def common_prefix_len(drafted: list[int], committed: list[int]) -> int:
+    """How many leading drafted tokens the committed ones confirm (up to the shorter of the two)."""
+    n = 0
+    for d, c in zip(drafted, committed):
+        if d != c:
+            break
+        n += 1
+    return n
+
+
 class Desynchronised(RuntimeError):
     """A request's tokens do not continue what the proposer holds for that sequence."""
 
