@@ -118,14 +118,18 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
     """Time bare forwards of the target (b x 1 and b x (gamma+1) tokens) and of the drafter
     (b x 1), with ~128 tokens of context each, under the target's placement."""
     from backend.engine.calibration import time_forward
-    from backend.model.loader import load_model
+    from backend.speculation.drafter import Drafter
 
     _apply(placement)
-    drafter = load_model(drafter_path, device=engine.config.device, dtype=engine.dtype)
-    kw = dict(device=engine.config.device, dtype=engine.dtype, reps=reps)
-    return CostProfile({(b, n): time_forward(engine.target, batch=b, tokens=n, **kw)
+    cfg = engine.config
+    # A drafter as the engine's runs (attention, captured step), in this process, on a small pool.
+    drafter = Drafter.load(drafter_path, device=cfg.device, dtype=engine.dtype, kv_cache_bytes=8 << 20,
+                           block_size=cfg.block_size, attention=cfg.attention, compile=cfg.compile,
+                           max_query_len=cfg.gamma_max + 1)
+    kw = dict(device=cfg.device, dtype=engine.dtype, reps=reps)
+    return CostProfile({(b, n): time_forward(engine.runner, batch=b, tokens=n, **kw)
                         for b in batches for n in (1, gamma + 1)},
-                       {b: time_forward(drafter, batch=b, tokens=1, **kw) for b in batches})
+                       {b: time_forward(drafter.runner, batch=b, tokens=1, **kw) for b in batches})
 
 
 def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,

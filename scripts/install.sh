@@ -21,4 +21,7 @@ fi
 # torch is pinned in pyproject.toml (2.13.0); on our CPU machines pip takes the CPU build that
 # lies on disk, on a GPU image the CUDA build from the registry.
 "$py" -m pip install --quiet -e ".[${extras}]"
+# The CPU paged-attention kernel, compiled for this machine (about 20 s); a server that finds no
+# build makes one at start, and one that cannot says why and uses the reference attention.
+"$py" -m backend.model.attention.kernels || echo "install: the paged attention kernel was not built (see above)"
 echo "installed nightdraft into $where (extras: ${extras})"

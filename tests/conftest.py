@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+# Engines compile their captured steps only in the tests that test them (tests/test_captured.py
+# asks for it by name): tens of seconds per model otherwise, in every engine of the suite.
+os.environ.setdefault("NIGHTDRAFT_COMPILE", "off")
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = Path(os.environ.get("NIGHTDRAFT_TEST_TARGET", REPO / "models" / "tiny-target"))
 TINY_DRAFTER = Path(os.environ.get("NIGHTDRAFT_TEST_DRAFTER", REPO / "models" / "tiny-drafter"))

@@ -95,7 +95,7 @@ def test_sizing():
     assert cache.num_blocks == 10 and cache.block_size == 16
     assert cache.kv.numel() * 4 == 10 * per_block
     k, v = cache.layer(1)
-    assert k.shape == v.shape == (10, 16, 2, 8)
+    assert k.shape == (10, 2, 8, 16) and v.shape == (10, 2, 16, 8)   # keys transposed within a block
     with pytest.raises(ValueError, match="less than one block"):
         PagedKVCache.for_model(CFG, per_block - 1, block_size=16, dtype=torch.float32)
 
@@ -203,7 +203,7 @@ def feed(model, cache, batch):
         assert cache.ensure_capacity(sid, cached + len(toks))
     meta = SDPA.prepare(cache, [b[0] for b in batch], [b[1] for b in batch], [len(b[2]) for b in batch])
     with torch.no_grad():
-        return model(torch.tensor([t for b in batch for t in b[2]]), meta, cache)
+        return model(torch.tensor([t for b in batch for t in b[2]]), meta, cache.kv)
 
 
 def test_resize_grow_then_shrink_keeps_sequences(model):

@@ -19,6 +19,7 @@ from planner.cost_model import CostProfile
 from backend.engine.config import ConfigError
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import PagedKVCache
+from backend.model.runner import ModelRunner
 from backend.speculation.drafter import Drafter
 from backend.speculation.ngram import NgramProposer
 
@@ -26,22 +27,24 @@ CONTEXT_TOKENS = 128
 BLOCK = 16
 
 
-def time_forward(model, *, batch: int, tokens: int, device, dtype, reps: int = 5) -> float:
-    """Median seconds of one forward of `model` over `batch` sequences x `tokens` new tokens."""
+def time_forward(runner: ModelRunner, *, batch: int, tokens: int, device, dtype, reps: int = 5) -> float:
+    """Median seconds of one forward of `runner`'s model (as the engine runs it: its attention,
+    its captured step) over `batch` sequences x `tokens` new tokens, logits on every token."""
+    config = runner.model.config
     per_seq = (CONTEXT_TOKENS + tokens) // BLOCK + 1
-    budget = batch * per_seq * PagedKVCache.bytes_per_block(model.config, BLOCK, dtype)
-    kv = PagedKVCache.for_model(model.config, budget, block_size=BLOCK, dtype=dtype, device=device)
+    budget = batch * per_seq * PagedKVCache.bytes_per_block(config, BLOCK, dtype)
+    runner = runner.with_cache(PagedKVCache.for_model(config, budget, block_size=BLOCK, dtype=dtype, device=device))
     ids = [f"calibrate{i}" for i in range(batch)]
     for s in ids:
-        if not kv.ensure_capacity(s, CONTEXT_TOKENS + tokens):
+        if not runner.kv.ensure_capacity(s, CONTEXT_TOKENS + tokens):
             raise RuntimeError("calibration KV pool too small")   # sized above: cannot happen
+    rng = torch.Generator().manual_seed(0)
     times = []
     with torch.inference_mode():
         for r in range(reps + 1):                     # the first run warms up
-            meta = model.prepare(kv, ids, [CONTEXT_TOKENS] * batch, [tokens] * batch)
-            x = torch.randint(0, model.config.vocab_size, (batch * tokens,), device=device)
+            x = torch.randint(0, config.vocab_size, (batch * tokens,), generator=rng).tolist()
             t0 = time.perf_counter()
-            model(x, meta, kv, None)
+            runner.forward(ids, [CONTEXT_TOKENS] * batch, [tokens] * batch, x, list(range(batch * tokens)))
             if str(device).startswith("cuda"):
                 torch.cuda.synchronize(device)
             if r:
@@ -78,22 +81,22 @@ def time_proposing(proposer, *, batch: int, vocab_size: int, reps: int = 5) -> f
     return statistics.median(times)
 
 
-def measure_cost_profile(target, proposer=None, *, batches, token_counts, device, dtype,
+def measure_cost_profile(target: ModelRunner, proposer=None, *, batches, token_counts, device, dtype,
                          reps: int = 5) -> CostProfile:
-    """Target forwards at every (batch, tokens) pair, and with a proposer, one draft position
-    at every batch (see :func:`time_proposing`)."""
+    """Target forwards at every (batch, tokens) pair (the engine's runner), and with a proposer,
+    one draft position at every batch (see :func:`time_proposing`)."""
     profile = CostProfile()
     for b in batches:
         for n in token_counts:
             profile.verify[(b, n)] = time_forward(target, batch=b, tokens=n, device=device,
                                                   dtype=dtype, reps=reps)
         if proposer is not None:
-            profile.draft[b] = time_proposing(proposer, batch=b, vocab_size=target.config.vocab_size,
+            profile.draft[b] = time_proposing(proposer, batch=b, vocab_size=target.model.config.vocab_size,
                                               reps=reps)
     return profile
 
 
-def planner_cost_profile(config, target, dtype, lending=None) -> CostProfile | None:
+def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> CostProfile | None:
     """The cost profile mode auto's planner starts from, as ``config.planner_cost_profile`` says:
     None ("off"), a file's, or one measured now over the batch sizes and draft lengths the planner
     can choose (a short calibration: a few forwards per point). With `lending` (the CPU placement
@@ -111,14 +114,16 @@ def planner_cost_profile(config, target, dtype, lending=None) -> CostProfile | N
     batches = sorted({1, 4, 16, config.max_num_seqs})
     longest = config.gamma_max + 1                  # a verify of gamma_max drafts + the bonus token
     tokens = sorted({n for n in (1, 2, 3, 5) if n < longest} | {longest})
-    vocab = target.config.vocab_size
+    vocab = target.model.config.vocab_size
     if config.proposer == "ngram":
         proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
     else:     # a throw-away in-process drafter, timed where the target runs (a worker's core is alike)
         per_seq = (CONTEXT_TOKENS + 16) // BLOCK + 1
         dcfg = ModelConfig.from_pretrained(config.drafter)
         proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
-                                kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype))
+                                kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype),
+                                attention=config.attention, compile=config.compile,
+                                max_query_len=config.gamma_max + 1)
     try:
         profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
                                        device=config.device, dtype=dtype, reps=3)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from backend.errors import ConfigError
 
 MODES = ("ar", "sd", "psd", "auto")
+ATTENTION_CHOICES = ("auto", "paged", "sdpa")
+COMPILE_CHOICES = ("auto", "on", "off")
 PROPOSERS = ("drafter", "ngram", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -74,6 +77,16 @@ class EngineConfig:
     # CPU linear kernels: "auto" measures MKL against prepacked oneDNN per row count (once,
     # cached) and uses the faster; "mkl" keeps F.linear everywhere.
     linear_kernels: str = "auto"
+    # Attention: "paged" (a C++ kernel that reads each sequence's K/V through its block table
+    # once; CPU), "sdpa" (PyTorch's scaled_dot_product_attention over gathered contexts: the
+    # reference, any device), "auto" (paged where it runs, else sdpa).
+    attention: str = "auto"
+    # Captured decode/verify steps (vLLM's enforce_eager is compile "off"): "on" compiles the
+    # target's and the drafter's steps, "off" runs everything op by op, "auto" compiles where
+    # that measured faster (the drafter on the CPU: docs/executor.md). Compiling takes tens of
+    # seconds per model on a first start; inductor caches the code on disk for the next.
+    # $NIGHTDRAFT_COMPILE sets the default (the test suite runs with "off" but where it tests this).
+    compile: str = dataclasses.field(default_factory=lambda: os.environ.get("NIGHTDRAFT_COMPILE", "auto"))
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -130,6 +143,8 @@ class EngineConfig:
              "draft_ahead: needs a drafter model on its own device (set drafter_device); drafting "
              "ahead in line would only delay the step")
         need(self.linear_kernels in ("auto", "mkl"), "linear_kernels: 'auto' or 'mkl'")
+        need(self.attention in ATTENTION_CHOICES, f"attention: one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        need(self.compile in COMPILE_CHOICES, f"compile: one of {COMPILE_CHOICES}, got {self.compile!r}")
         need(self.max_prompt_bytes is None or (_is_int(self.max_prompt_bytes) and self.max_prompt_bytes >= 1),
              "max_prompt_bytes: must be a positive integer")
         need(_is_int(self.max_waiting) and self.max_waiting >= 1, "max_waiting: must be an integer >= 1")

@@ -37,6 +37,7 @@ from backend.engine.verify import decide
 from backend.model.kv_cache import PagedKVCache
 from backend.model.linear import pack_linears
 from backend.model.loader import load_model
+from backend.model.runner import ModelRunner, capture_for
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
 from backend.speculation.manager import DrafterManager
@@ -64,13 +65,16 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
 
-        self.target = load_model(config.target, device=config.device, dtype=self.dtype)
+        self.target = load_model(config.target, device=config.device, dtype=self.dtype,
+                                 attention=config.attention)
         if config.linear_kernels == "auto":
             pack_linears(self.target)
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.target, eos_token_ids=mc.eos_token_ids)
         self.kv = PagedKVCache.for_model(mc, config.kv_cache_bytes, block_size=config.block_size,
                                          dtype=self.dtype, device=config.device)
+        self.runner = ModelRunner(self.target, self.kv, capture_for(
+            self.target, self.kv, config.compile, "target", max_query_len=config.gamma_max + 1))
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
                                            self.kv.num_blocks, self.kv.block_size)
         # Any text longer than this tokenizes into more than max_model_len tokens (no token
@@ -102,7 +106,7 @@ class Engine:
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
                               psd_available=self.drafter.remote, seed=config.seed,
                               ngram_available=self.ngram is not None,
-                              cost_profile=planner_cost_profile(config, self.target, self.dtype, lending))
+                              cost_profile=planner_cost_profile(config, self.runner, self.dtype, lending))
             shadow = (NgramShadow(config.gamma_max, config.ngram_min, config.ngram_max)
                       if self.ngram is not None else None)
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
@@ -279,7 +283,9 @@ class Engine:
         return outputs
 
     def _forward(self, batch: list[ScheduledSeq], step: StepStats):
-        """One forward over every scheduled sequence; logits only where tokens are decided."""
+        """One forward over every scheduled sequence; logits only where tokens are decided.
+        (On CUDA the forward is asynchronous: t_forward_s times its launch, and the wait for it
+        falls into verification, which reads the logits.)"""
         t0 = time.perf_counter()
         input_ids: list[int] = []
         num_new: list[int] = []
@@ -298,14 +304,9 @@ class Engine:
                 logits_indices += range(start + len(fed) - s.gamma - 1, start + len(fed))
             else:
                 rows.append((len(logits_indices), 0))
-        meta = self.target.prepare(self.kv, [s.seq.request_id for s in batch],
-                                   [s.seq.num_computed for s in batch], num_new)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
-        logits = self.target(ids, meta, self.kv, idx)
-        if logits.is_cuda:       # the forward is asynchronous there; time it, not its launch
-            torch.cuda.current_stream(self.device).synchronize()
+        logits = self.runner.forward([s.seq.request_id for s in batch], [s.seq.num_computed for s in batch],
+                                     num_new, input_ids, logits_indices)
         step.t_prepare_s += t1 - t0
         step.t_forward_s += time.perf_counter() - t1
         step.num_forward_tokens += len(input_ids)

@@ -2,9 +2,10 @@
 
 Tokens a request may not produce yet (EOS and stop tokens before ``min_tokens``) are masked
 first; greedy requests take the argmax, sampled ones draw from their processed distribution, and
-drafts are accepted exactly (:mod:`backend.sampling.verification`). Each request's decision
-stands alone: one whose logits are not finite, or whose sampling raises, gets its exception back
-instead of tokens, and the others are decided as if it were not there.
+drafts are accepted exactly (:mod:`backend.sampling.verification`), all sampled requests of a
+step in one batch. Each request's decision stands alone: one whose logits are not finite, or
+whose sampling raises, gets its exception back instead of tokens, and the others are decided as
+if it were not there.
 
 A request that asks for logprobs gets them from the target's rows that decided its tokens, also
 for drafts it accepted (speculation does not change them): the processed distribution it sampled
@@ -19,8 +20,8 @@ import torch
 from backend.batching.scheduler import ScheduledSeq
 from backend.engine.commit import banned_tokens
 from backend.engine.outputs import TokenLogprob
-from backend.sampling.sampler import processed_probs, sample
-from backend.sampling.verification import verify_greedy, verify_rejection
+from backend.sampling.sampler import processed_probs
+from backend.sampling.verification import verify_greedy, verify_sampled
 
 Rows = list[tuple[int, int]]      # per scheduled sequence: (first logits row, row count)
 
@@ -42,35 +43,71 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
     finite = torch.isfinite(logits.sum(dim=-1))
     finite = finite.tolist() if not bool(finite.all()) else None
     _mask_banned(batch, rows, logits, eos_token_ids)
-    argmax = logits.argmax(dim=-1).tolist()
-    probs = _sampling_probs(batch, rows, logits)
-    out: list[Decided | Exception | None] = []
-    for i, (s, (first, n)) in enumerate(zip(batch, rows)):
+    out: list = [None] * len(batch)
+    todo = []
+    for i, (first, n) in enumerate(rows):
         if not n:
-            out.append(None)
             continue
-        try:
-            if finite is not None and not all(finite[first:first + n]):
-                raise FloatingPointError("the model produced non-finite logits")
-            tokens = _verify(s, argmax[first:first + n], probs.get(i))
-            want = s.seq.params.logprobs
-            out.append(Decided(tokens, None if want is None else
-                               _logprobs(logits[first:first + len(tokens)], probs.get(i), tokens, want)))
-        except Exception as e:  # noqa: BLE001 - this request alone
-            out.append(e)
+        if finite is not None and not all(finite[first:first + n]):
+            out[i] = FloatingPointError("the model produced non-finite logits")
+        else:
+            todo.append(i)
+    greedy = [i for i in todo if batch[i].seq.params.greedy]
+    if greedy:
+        argmax = logits.argmax(dim=-1).tolist()
+        for i in greedy:
+            first, n = rows[i]
+            out[i] = verify_greedy(argmax[first:first + n], batch[i].drafts if batch[i].gamma else [])
+    greedy_set = set(greedy)
+    probs = _sample_all(batch, rows, logits, [i for i in todo if i not in greedy_set], out)
+    for i in todo:
+        if isinstance(out[i], list):
+            want = batch[i].seq.params.logprobs
+            tokens = out[i]
+            try:
+                out[i] = Decided(tokens, None if want is None else
+                                 _logprobs(logits[rows[i][0]:rows[i][0] + len(tokens)], probs.get(i), tokens, want))
+            except Exception as e:  # noqa: BLE001 - this request alone
+                out[i] = e
     return out
 
 
-def _verify(s: ScheduledSeq, argmax: list[int], probs) -> list[int]:
-    seq = s.seq
-    drafts = s.drafts if s.gamma else []
-    if seq.params.greedy:
-        return verify_greedy(argmax, drafts)
-    if isinstance(probs, Exception):
-        raise probs
-    if drafts:
-        return verify_rejection(probs, s.draft_probs.to(probs.device), drafts, seq.generator)
-    return [sample(probs[0], seq.generator)]
+def _sample_all(batch, rows: Rows, logits: torch.Tensor, sampled: list[int], out: list) -> dict[int, torch.Tensor]:
+    """Decide every sampled request (into `out`) in one batch: their processed distributions,
+    then exact verification of their drafts (plain sampling is the case without drafts). If the
+    batch raises, each request is decided alone, so that an error fails only its own request;
+    each draws its random numbers once, before, so that the retry does not change them.
+    Returns each request's distributions (for logprobs)."""
+    if not sampled:
+        return {}
+    uniforms = {i: torch.rand(len(batch[i].drafts if batch[i].gamma else ()) + 1, generator=batch[i].seq.generator,
+                              device=logits.device) for i in sampled}
+    try:
+        return _sample_batch(batch, rows, logits, sampled, uniforms, out)
+    except Exception:  # noqa: BLE001 - one request's parameters or drafts: isolate it
+        probs = {}
+        for i in sampled:
+            try:
+                probs |= _sample_batch(batch, rows, logits, [i], uniforms, out)
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+        return probs
+
+
+def _sample_batch(batch, rows: Rows, logits: torch.Tensor, sampled: list[int], uniforms: dict, out: list) -> dict[int, torch.Tensor]:
+    row_ids = [r for i in sampled for r in range(rows[i][0], rows[i][0] + rows[i][1])]
+    p = processed_probs(logits[row_ids], [batch[i].seq.params for i in sampled for _ in range(rows[i][1])])
+    drafts = [batch[i].drafts if batch[i].gamma else [] for i in sampled]
+    q_parts = [batch[i].draft_probs.to(p.device) for i, d in zip(sampled, drafts) if d]
+    firsts, first = [], 0
+    for i in sampled:
+        firsts.append(first)
+        first += rows[i][1]
+    decided = verify_sampled(p, firsts, torch.cat(q_parts) if q_parts else None, drafts,
+                             torch.cat([uniforms[i] for i in sampled]))
+    for i, tokens in zip(sampled, decided):
+        out[i] = tokens
+    return {i: p[f:f + rows[i][1]] for i, f in zip(sampled, firsts)}
 
 
 def _logprobs(logits: torch.Tensor, probs: torch.Tensor | None, tokens: list[int], top_n: int) -> list[TokenLogprob]:
@@ -100,29 +137,3 @@ def _mask_banned(batch, rows: Rows, logits: torch.Tensor, eos: tuple[int, ...]) 
     if cells_r:
         logits[torch.tensor(cells_r, device=logits.device),
                torch.tensor(cells_t, device=logits.device)] = float("-inf")
-
-
-def _sampling_probs(batch, rows: Rows, logits: torch.Tensor) -> dict[int, torch.Tensor | Exception]:
-    """Per batch index of a sampled request: its rows' distributions [n, V], computed in one
-    batch (or one request at a time, if the batch raises: its error fails that request alone)."""
-    sampled = [(i, first, n) for i, (s, (first, n)) in enumerate(zip(batch, rows))
-               if n and not s.seq.params.greedy]
-    if not sampled:
-        return {}
-    row_ids = [r for _, first, n in sampled for r in range(first, first + n)]
-    row_params = [batch[i].seq.params for i, _, n in sampled for _ in range(n)]
-    try:
-        p = processed_probs(logits[row_ids], row_params)
-    except Exception:  # noqa: BLE001 - one request's parameters: compute them one by one
-        out: dict[int, torch.Tensor | Exception] = {}
-        for i, first, n in sampled:
-            try:
-                out[i] = processed_probs(logits[first:first + n], [batch[i].seq.params] * n)
-            except Exception as e:  # noqa: BLE001
-                out[i] = e
-        return out
-    out, k = {}, 0
-    for i, _, n in sampled:
-        out[i] = p[k:k + n]
-        k += n
-    return out

@@ -105,10 +105,12 @@ class BlockAllocator:
 class PagedKVCache:
     """K/V storage for every layer plus the block tables of the sequences using it.
 
-    Storage is one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
-    :meth:`layer` returns the ``(k, v)`` views of one layer, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``. Views must not be kept across
-    :meth:`resize`, which replaces the storage.
+    Storage is one tensor ``[num_layers, 2, num_blocks, num_kv_heads, head_dim, block_size]``
+    (a block is contiguous in it, for all of a layer's heads); :meth:`layer` returns the
+    ``(k, v)`` views of one layer: keys ``[num_blocks, num_kv_heads, head_dim, block_size]``
+    (transposed within the block, so that attention scores a run of keys with vector FMAs) and
+    values ``[num_blocks, num_kv_heads, block_size, head_dim]`` (rows, added with vector FMAs).
+    Views must not be kept across :meth:`resize`, which replaces the storage.
     """
 
     def __init__(
@@ -140,11 +142,13 @@ class PagedKVCache:
         self._layers = self._layer_views()
 
     def _new_storage(self, num_blocks: int) -> torch.Tensor:
-        shape = (self.num_layers, 2, num_blocks, self._block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.head_dim, self._block_size)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.num_layers)]
+        n = self.kv.shape[2]
+        return [(self.kv[i, 0], self.kv[i, 1].view(n, self.num_kv_heads, self._block_size, self.head_dim))
+                for i in range(self.num_layers)]
 
     # ---- sizing -------------------------------------------------------------------------------
 
@@ -200,7 +204,8 @@ class PagedKVCache:
         return self._allocator.num_used / self._allocator.num_blocks
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) cache of layer ``i``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        """(k, v) cache of layer ``i``: keys ``[num_blocks, num_kv_heads, head_dim, block_size]``,
+        values ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
         return self._layers[i]
 
     # ---- per-sequence blocks ------------------------------------------------------------------

@@ -40,7 +40,8 @@ class Linear(nn.Linear):
     _use_packed: tuple[bool, ...] = ()      # per ROW_LADDER rung
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self._use_packed[_rung(x.shape[0])]:
+        # A compiled step picks its own GEMM (the row count is symbolic there).
+        if self.packed is not None and not torch.compiler.is_compiling() and self._use_packed[_rung(x.shape[0])]:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

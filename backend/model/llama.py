@@ -115,7 +115,9 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     multiply in float32, the same arithmetic as rotate-half."""
     T, H, d = x.shape
     pairs = x.view(T, H, d // 2, 2)
-    if x.dtype == torch.float32:
+    # Eager: one complex multiply. Compiled: the real form, which the compiler fuses (it has no
+    # code generation for complex numbers).
+    if x.dtype == torch.float32 and not torch.compiler.is_compiling():
         return torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rot)).view(T, H, d)
     a, b = pairs.unbind(-1)
     cos, sin = rot.unbind(-1)
@@ -140,7 +142,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, rot, meta, k_cache, v_cache):
+    def forward(self, x, rot, meta, kv_cache, layer):
         T = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)
@@ -149,7 +151,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qk = torch.cat((self.q_norm.forward(qk[:, :h]), self.k_norm.forward(qk[:, h:])), dim=1)
         qk = apply_rope(qk, rot)  # q and k heads rotated together
-        out = self.backend.attend(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)
+        out = self.backend.attend(qk[:, :h], qk[:, h:], v, kv_cache, layer, meta, self.scale)
         return self.o_proj.forward(out.reshape(T, h * d))
 
 
@@ -172,18 +174,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rot, meta, k_cache, v_cache):
+    def forward(self, x, rot, meta, kv_cache, layer):
         # Submodules' forward() called directly: nn.Module.__call__ costs a few microseconds,
         # paid about a hundred times per forward of a small model.
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rot, meta, k_cache, v_cache)
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rot, meta, kv_cache, layer)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention: str | AttentionBackend = "sdpa"):
+    def __init__(self, config: ModelConfig, attention: str | AttentionBackend = "sdpa", device="cpu"):
         super().__init__()
         self.config = config
-        self.attention = get_backend(attention)      # also builds each forward's metadata
+        self.attention = get_backend(attention, device)      # also builds each forward's metadata
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.attention) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -199,26 +201,27 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_cache", rope_table(config), persistent=False)
 
     def prepare(self, kv_cache: PagedKVCache, seq_ids: list, num_cached: list[int],
-                num_new: list[int]) -> AttentionMetadata:
+                num_new: list[int], lookahead: int = 0) -> AttentionMetadata:
         """The metadata of one forward (see :class:`~backend.model.attention.AttentionBackend`)."""
-        return self.attention.prepare(kv_cache, seq_ids, num_cached, num_new)
+        return self.attention.prepare(kv_cache, seq_ids, num_cached, num_new, lookahead)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: PagedKVCache,
+        kv: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[N, vocab]`` (float32) for the flat tokens ``input_ids`` ``[T]``, at
-        ``logits_indices`` ``[N]`` (None: all T tokens)."""
+        ``logits_indices`` ``[N]`` (None: all T tokens). `kv` is the KV cache's storage
+        (``PagedKVCache.kv``); `meta` whatever the attention backend reads (its metadata, or for
+        a compiled step the same tensors without the Python-side fields)."""
         x = self.embed_tokens(input_ids)
         rot = self.rope_cache[meta.positions].unsqueeze(1)
         if x.dtype != torch.float32:
             rot = rot.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            x = layer.forward(x, rot, meta, k_cache, v_cache)
+            x = layer.forward(x, rot, meta, kv, i)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm.forward(x)

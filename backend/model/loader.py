@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from backend.model.attention import get_backend
 from backend.model.llama import CausalLM
 from backend.model.config import ModelConfig
 
@@ -137,15 +138,18 @@ def _to_model_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def load_model(
-    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    attention: str = "sdpa",
 ) -> CausalLM:
     """Build a :class:`CausalLM` from the HF checkpoint directory ``path`` (``config.json`` and
-    ``model.safetensors`` or a sharded ``model.safetensors.index.json``), in eval mode, no grads."""
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``), in eval mode, no grads,
+    with the attention backend `attention` ("auto": the fastest one available on `device`)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     state = _to_model_state(_read_checkpoint(path, config, device, dtype), config)
+    backend = get_backend(attention, device)
     with torch.device("meta"):  # no memory or random init for weights we overwrite anyway
-        model = CausalLM(config)
+        model = CausalLM(config, backend)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device=device, dtype=dtype)  # moves the RoPE table, the only non-loaded tensor
     return model.eval().requires_grad_(False)

@@ -48,8 +48,10 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token from a single distribution [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Draw one token from a single distribution [V] (as the batched samplers do)."""
+    from backend.sampling.verification import check_drawn, sample_rows
+    u = torch.rand(1, generator=generator, device=probs.device)
+    return check_drawn(sample_rows(probs[None], u).tolist())[0]
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:

@@ -24,7 +24,9 @@ from backend.model.kv_cache import PagedKVCache
 from backend.model.linear import drop_packed, pack_linears
 from backend.model.loader import load_model
 from backend.model.llama import CausalLM
+from backend.model.runner import ModelRunner, capture_for
 from backend.sampling.sampler import make_generator, processed_probs
+from backend.sampling.verification import check_drawn, draw_uniforms, sample_rows
 from backend.sampling.params import SamplingParams
 from backend.speculation.draft_ahead import AheadStats, PreDraft
 from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal, common_prefix_len
@@ -39,8 +41,9 @@ class _SeqState:
 
 
 class Drafter:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, seed: int = 0):
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, seed: int = 0, runner: ModelRunner | None = None):
         self.model = model
+        self.runner = runner if runner is not None else ModelRunner(model, kv_cache)
         self.kv = kv_cache
         self.device = kv_cache.device
         self._kv_blocks = kv_cache.num_blocks
@@ -58,22 +61,35 @@ class Drafter:
         self._ahead: dict[str, PreDraft] = {}     # seq id -> its pre-drafted next round
         self.ahead_stats = AheadStats()
 
+    @property
+    def kv(self) -> PagedKVCache | None:
+        """The drafter's KV pool (None while offloaded); its runner writes it."""
+        return self.runner.kv
+
+    @kv.setter
+    def kv(self, kv: PagedKVCache | None) -> None:
+        self.runner.kv = kv
+
     @classmethod
     def load(cls, path: str, *, device: str, dtype: torch.dtype, kv_cache_bytes: int,
-             block_size: int, seed: int = 0, offloaded: bool = False, pack: bool = True) -> "Drafter":
+             block_size: int, seed: int = 0, offloaded: bool = False, pack: bool = True,
+             attention: str = "auto", compile: str = "off", max_query_len: int = 9) -> "Drafter":
         """`offloaded`: start with the weights in host memory and no KV pool, as a drafter that
         replaces an offloaded one must (its device memory is lent to the target's KV cache).
-        `pack`: let the CPU linear layers pick their faster kernel (backend.model.linear)."""
+        `pack`: let the CPU linear layers pick their faster kernel (backend.model.linear).
+        `attention`, `compile`: as EngineConfig's (a compiled step covers forwards of up to
+        `max_query_len` tokens a sequence)."""
         if not offloaded:
-            model = load_model(path, device=device, dtype=dtype)
+            model = load_model(path, device=device, dtype=dtype, attention=attention)
             kv = PagedKVCache.for_model(model.config, kv_cache_bytes, block_size=block_size,
                                         dtype=dtype, device=device)
-            drafter = cls(model, kv, seed=seed)
-            drafter._pack = pack
             if pack:
                 pack_linears(model)
+            runner = ModelRunner(model, kv, capture_for(model, kv, compile, "drafter", max_query_len))
+            drafter = cls(model, kv, seed=seed, runner=runner)
+            drafter._pack = pack
             return drafter
-        model = load_model(path, device="cpu", dtype=dtype)
+        model = load_model(path, device="cpu", dtype=dtype, attention=attention)
         for module in model.modules():      # buffers (rope table) live on the device regardless
             for name, buf in module.named_buffers(recurse=False):
                 module.register_buffer(name, buf.to(device), persistent=False)
@@ -298,34 +314,39 @@ class Drafter:
         catchup = sum(max(0, len(f) - 1) for f in feed.values())
         self.num_catchup_tokens += catchup
         step = 0
+        rows: list[int] = []            # the previous forward's row of each active sequence
+        dists: dict[int, list[torch.Tensor]] = {}     # a sampled request's draft distributions
         while active and not (step and should_stop is not None and should_stop()):
             seq_ids = [requests[i].seq_id for i in active]
             states = [self._seqs[s] for s in seq_ids]
             num_new = [len(feed[i]) for i in active]
-            meta = self.model.prepare(self.kv, seq_ids, [st.kv_len for st in states], num_new)
-            input_ids = torch.tensor([t for i in active for t in feed[i]], dtype=torch.long,
-                                     device=self.device)
-            last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
-            logits = self.model(input_ids, meta, self.kv, last)
+            if step == 0:      # the catch-up tails; then one draft a position, the layout advanced
+                lookahead = max(requests[i].gamma for i in active) - 1
+                logits = self.runner.forward(seq_ids, [st.kv_len for st in states], num_new,
+                                             [t for i in active for t in feed[i]], lookahead=lookahead)
+            else:
+                logits = self.runner.advance(rows, [feed[i][0] for i in active])
             tokens, probs = self._draw(logits, [requests[i].params for i in active], states)
             still: list[int] = []
+            rows = []
             for row, i in enumerate(active):
                 st = states[row]
                 st.kv_len += num_new[row]
                 if st.kv_len > len(st.tokens):
                     st.spec_tail.append(feed[i][-1])
-                proposal = proposals[i]
-                proposal.tokens.append(tokens[row])
+                proposals[i].tokens.append(tokens[row])
                 if probs is not None and not requests[i].params.greedy:
-                    proposal.probs = probs[row:row + 1] if proposal.probs is None else \
-                        torch.cat([proposal.probs, probs[row:row + 1]])
-                if len(proposal.tokens) < requests[i].gamma:
+                    dists.setdefault(i, []).append(probs[row])
+                if len(proposals[i].tokens) < requests[i].gamma:
                     feed[i] = [tokens[row]]
                     still.append(i)
+                    rows.append(row)
             active = still
             if step == 0:
                 self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
             step += 1
+        for i, rows_of_i in dists.items():
+            proposals[i].probs = torch.stack(rows_of_i)
 
     def _sync(self, req: DraftRequest) -> _SeqState:
         """Append newly committed tokens; keep only the cached drafts that were accepted."""
@@ -353,11 +374,14 @@ class Drafter:
         return st
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], states: list[_SeqState]):
-        tokens = logits.argmax(dim=-1).tolist()
+        """Each row's draft: the argmax for greedy requests, a draw from its processed
+        distribution (each sequence's own generator) for sampled ones; one transfer to the host."""
         if all(p.greedy for p in params):
-            return tokens, None
+            return logits.argmax(dim=-1).tolist(), None
         probs = processed_probs(logits, params)
-        for row, (p, st) in enumerate(zip(params, states)):
-            if not p.greedy:
-                tokens[row] = int(torch.multinomial(probs[row], 1, generator=st.generator).item())
-        return tokens, probs
+        sampled = [row for row, p in enumerate(params) if not p.greedy]
+        drawn = sample_rows(probs[sampled], draw_uniforms([1] * len(sampled), [states[r].generator for r in sampled],
+                                                          probs.device))
+        tokens = logits.argmax(dim=-1)
+        tokens[torch.as_tensor(sampled, device=tokens.device)] = drawn
+        return check_drawn(tokens.tolist()), probs

@@ -82,12 +82,14 @@ class DrafterManager:
         if not self.remote:
             return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
                                 kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
-                                seed=cfg.seed, offloaded=offloaded, pack=cfg.linear_kernels == "auto")
+                                seed=cfg.seed, offloaded=offloaded, pack=cfg.linear_kernels == "auto",
+                                attention=cfg.attention, compile=cfg.compile, max_query_len=cfg.gamma_max + 1)
         spec = WorkerSpec(path=cfg.drafter, device=cfg.drafter_device,
                           dtype=str(self._dtype).removeprefix("torch."),
                           kv_cache_bytes=self._kv_cache_bytes, block_size=cfg.block_size,
                           seed=cfg.seed, cores=self.cores, probs_transport=cfg.drafter_probs_transport,
-                          start_offloaded=offloaded, pack_linears=cfg.linear_kernels == "auto")
+                          start_offloaded=offloaded, pack_linears=cfg.linear_kernels == "auto",
+                          attention=cfg.attention, compile=cfg.compile, max_query_len=cfg.gamma_max + 1)
         return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
                              timeout_s=cfg.drafter_timeout_s)
 

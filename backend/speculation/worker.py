@@ -53,6 +53,9 @@ class WorkerSpec:
     probs_transport: str | None = None   # "shared_buffer" | "tensor"; None: by device (see above)
     start_offloaded: bool = False    # weights in host memory from the start (see Drafter.load)
     pack_linears: bool = True        # CPU linear layers pick their faster kernel
+    attention: str = "auto"          # EngineConfig.attention
+    compile: str = "off"             # EngineConfig.compile
+    max_query_len: int = 9           # tokens a sequence a compiled step covers
 
     @property
     def transport(self) -> str:
@@ -70,7 +73,8 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
     dtype = getattr(torch, spec.dtype)
     drafter = Drafter.load(spec.path, device=device, dtype=dtype, kv_cache_bytes=spec.kv_cache_bytes,
                            block_size=spec.block_size, seed=spec.seed, offloaded=spec.start_offloaded,
-                           pack=spec.pack_linears)
+                           pack=spec.pack_linears, attention=spec.attention, compile=spec.compile,
+                           max_query_len=spec.max_query_len)
     conn.send(("ready", {"pid": os.getpid(), "loaded_bytes": drafter.loaded_bytes()}))
     capacity = probs_buffer.shape[0] if probs_buffer is not None else 0
     inbox: list = []        # messages read while drafting ahead, handled next in order

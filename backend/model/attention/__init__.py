@@ -7,19 +7,40 @@ CUDA paged-attention library, say) is one new module implementing them, named in
 """
 from __future__ import annotations
 
+import torch
+
+from backend.model.attention import kernels
 from backend.model.attention.base import AttentionBackend, AttentionMetadata
+from backend.model.attention.paged import PagedBackend
 from backend.model.attention.sdpa import SdpaBackend
 
-BACKENDS = {"sdpa": SdpaBackend}
+BACKENDS = {"paged": PagedBackend, "sdpa": SdpaBackend}
+ATTENTION_CHOICES = ("auto", *BACKENDS)
 
 
-def get_backend(name: str | AttentionBackend = "sdpa") -> AttentionBackend:
+def resolve(name: str, device: str | torch.device) -> str:
+    """The backend `name` means on `device`: "auto" is the paged kernel on the CPU where it could
+    be built, else the reference (sdpa)."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_CHOICES)}")
+        return name
+    return "paged" if torch.device(device).type == "cpu" and kernels.load() else "sdpa"
+
+
+_instances: dict[str, AttentionBackend] = {}
+
+
+def get_backend(name: str | AttentionBackend = "sdpa", device: str | torch.device = "cpu") -> AttentionBackend:
+    """The backend `name` means on `device`. Backends hold no state: one instance each, shared by
+    every model (so that same-shaped models share their compiled steps, which see the backend)."""
     if not isinstance(name, str):
         return name
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}") from None
+    name = resolve(name, device)
+    if name not in _instances:
+        _instances[name] = BACKENDS[name]()
+    return _instances[name]
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "SdpaBackend", "get_backend"]
+__all__ = ["ATTENTION_CHOICES", "AttentionBackend", "AttentionMetadata", "BACKENDS", "PagedBackend",
+           "SdpaBackend", "get_backend", "resolve"]

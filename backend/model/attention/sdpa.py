@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend.model.attention.base import AttentionMetadata, token_layout
+from backend.model.attention.base import AttentionMetadata, layout_tensors
 from backend.model.kv_cache import PagedKVCache
 
 # Sequences feeding at most this many tokens (decode, verification of a draft) share one padded
@@ -41,7 +41,6 @@ class AttentionGroup:
 
 @dataclass
 class SdpaMetadata(AttentionMetadata):
-    block_tables: torch.Tensor = None  # [B, max_blocks] long, padded with block 0
     groups: list[AttentionGroup] = None  # attention batches (usually one) covering all sequences
 
 
@@ -49,30 +48,24 @@ class SdpaBackend:
     name = "sdpa"
 
     def prepare(self, kv: PagedKVCache, seq_ids: list, num_cached: list[int],
-                num_new: list[int]) -> SdpaMetadata:
-        lay = token_layout(kv, seq_ids, num_cached, num_new)
+                num_new: list[int], lookahead: int = 0) -> SdpaMetadata:
+        meta = layout_tensors(kv, seq_ids, num_cached, num_new, cls=SdpaMetadata, lookahead=lookahead)
         B = len(seq_ids)
         short = [b for b in range(B) if num_new[b] <= SHORT_QUERY_LEN]
         long = [b for b in range(B) if num_new[b] > SHORT_QUERY_LEN]
-        groups = [self._group(kv, members, lay.tables, num_cached, num_new, lay.starts,
-                              whole=len(members) == B)
-                  for members in (short, long) if members]
-        dev = kv.device
-        return SdpaMetadata(
-            positions=torch.tensor(lay.positions, device=dev),
-            slot_mapping=torch.tensor(lay.slots, device=dev),
-            context_lens=torch.tensor([c + n for c, n in zip(num_cached, num_new)], device=dev),
-            query_lens=list(num_new),
-            query_start_loc=lay.starts,
-            last_token_indices=torch.tensor(lay.starts[1:], device=dev) - 1,
-            block_tables=groups[0].block_tables if len(groups) == 1 else _pad_tables(lay.tables, dev),
-            groups=groups,
-        )
+        meta.groups = [self._group(kv, members, meta, num_cached, num_new, whole=len(members) == B)
+                       for members in (short, long) if members]
+        return meta
+
+    def advance(self, kv: PagedKVCache, meta: SdpaMetadata, keep: list[int]) -> SdpaMetadata:
+        h = meta.host
+        return self.prepare(kv, [h.seq_ids[r] for r in keep], [int(h.lens[r]) for r in keep], [1] * len(keep))
 
     @staticmethod
-    def _group(kv, members, tables, num_cached, num_new, starts, whole) -> AttentionGroup:
+    def _group(kv, members, meta: SdpaMetadata, num_cached, num_new, whole) -> AttentionGroup:
         """An attention batch over sequences ``members`` (batch indices, ascending)."""
         bs = kv.block_size
+        starts = meta.query_start_loc
         max_q = max(num_new[b] for b in members)
         query_src, grid_index, token_index = [], [], []
         for i, b in enumerate(members):
@@ -89,14 +82,15 @@ class SdpaBackend:
         cached = torch.tensor([num_cached[b] for b in members])
         last = cached + torch.tensor([num_new[b] for b in members]) - 1
         q_pos = torch.minimum(cached[:, None] + torch.arange(max_q), last[:, None])
-        max_blocks = max(len(tables[b]) for b in members)
+        max_blocks = max(-(-(num_cached[b] + num_new[b]) // bs) for b in members)
         visible = torch.arange(max_blocks * bs) <= q_pos[:, :, None]
         # Additive, in the cache dtype, so attention need not convert it in every layer.
         mask = torch.zeros(visible.shape, dtype=kv.dtype).masked_fill_(~visible, float("-inf"))
 
         dev = kv.device
+        tables = meta.block_tables if whole else meta.block_tables[torch.tensor(members, device=dev)]
         return AttentionGroup(
-            block_tables=_pad_tables([tables[b] for b in members], dev),
+            block_tables=tables[:, :max_blocks].contiguous(),
             attn_mask=mask.unsqueeze(1).to(dev),
             max_query_len=max_q,
             query_src=torch.tensor(query_src, device=dev) if padded or not whole else None,
@@ -104,26 +98,32 @@ class SdpaBackend:
             token_index=None if whole else torch.tensor(token_index, device=dev),
         )
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: SdpaMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               layer: int, meta: SdpaMetadata, scale: float) -> torch.Tensor:
         """Causal attention of the flat new tokens over their sequences' cached context.
 
         q ``[T, h, d]``, k/v ``[T, kvh, d]`` (the new tokens' keys/values, written to the cache here),
-        caches ``[num_blocks, block_size, kvh, d]``. Returns ``[T, h, d]``.
+        the cache's whole storage and the layer to use. Returns ``[T, h, d]``.
         """
         T, h, d = q.shape
         kvh = k.shape[1]
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        bs = kv_cache.shape[-1]
+        k_cache = kv_cache[layer, 0]                                    # [blocks, kvh, d, bs]
+        v_cache = kv_cache[layer, 1].view(kv_cache.shape[2], kvh, bs, d)  # [blocks, kvh, bs, d]
+        blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+        k_cache[blocks, :, :, offsets] = k      # keys are stored transposed within their block
+        v_cache[blocks, :, offsets, :] = v
 
         out = None
         for g in meta.groups:  # usually one
             # Each sequence's context, gathered block by block: [n, kvh, S, d], S = max_blocks * block_size.
             n, max_blocks = g.block_tables.shape
-            S = max_blocks * k_cache.shape[1]
+            S = max_blocks * bs
             tables = g.block_tables.view(-1)
-            keys = k_cache.index_select(0, tables).view(n, S, kvh, d).transpose(1, 2)
-            values = v_cache.index_select(0, tables).view(n, S, kvh, d).transpose(1, 2)
+            keys = (k_cache.index_select(0, tables).view(n, max_blocks, kvh, d, bs)
+                    .permute(0, 2, 1, 4, 3).reshape(n, kvh, S, d))
+            values = (v_cache.index_select(0, tables).view(n, max_blocks, kvh, bs, d)
+                      .transpose(1, 2).reshape(n, kvh, S, d))
             # Queries gathered into a padded grid [n, h, max_q, d].
             qg = q if g.query_src is None else q.index_select(0, g.query_src)
             qg = qg.reshape(n, g.max_query_len, h, d).transpose(1, 2)
@@ -139,8 +139,3 @@ class SdpaBackend:
                 out = q.new_empty(T, h, d)
             out.index_copy_(0, g.token_index, o)
         return out
-
-
-def _pad_tables(tables: list[list[int]], device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)

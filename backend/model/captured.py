@@ -1,0 +1,109 @@
+"""Captured steps: decode and verification forwards run as compiled graphs.
+
+A decode or verification forward (every sequence feeds 1..``max_query_len`` tokens) spends most
+of a small model's time outside its matmuls when it runs op by op: each PyTorch op costs a few
+microseconds of dispatch, about a hundred ops a layer. :class:`CompiledStep` compiles the model's
+forward once with inductor (the CPU path): the norms, rotary embedding, activations and residual
+adds fuse into a few C++ loops, the GEMMs stay library calls, and attention stays its own kernel
+(``torch.ops.nightdraft.paged_attention``, opaque to the compiler: compiling attention itself was
+2x slower than the kernel at batch 32).
+
+The graph has dynamic token, sequence and logits-row counts, so one compilation covers every
+batch; sizes of 1 are special to the compiler (it specialises on them), so the step pads the
+sequence count, the block-table width and the logits rows to at least 2 (an empty sequence, a
+zero column, a repeated row: the kernel skips the first, never reads the second, and the third is
+dropped), leaving two graphs: one token, and more. Compiled code is cached on disk by inductor
+(``$TORCHINDUCTOR_CACHE_DIR``), so a restart traces again but does not recompile.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from backend.model.attention.base import AttentionMetadata
+from backend.model.kv_cache import PagedKVCache
+
+log = logging.getLogger("nightdraft.captured")
+
+
+class StepTensors(NamedTuple):
+    """The attention metadata a compiled step reads: tensors only (no Python-side fields, which a
+    compiled graph would have to guard on)."""
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def step_tensors(meta: AttentionMetadata) -> StepTensors:
+    """`meta` padded to at least two sequences and two block-table columns (see the module)."""
+    tables, starts, lens = meta.block_tables, meta.query_start, meta.context_lens
+    if tables.shape[1] < 2:
+        tables = torch.cat((tables, tables.new_zeros(tables.shape[0], 2 - tables.shape[1])), dim=1)
+    if lens.shape[0] < 2:      # an empty sequence: no tokens, no context
+        tables = torch.cat((tables, tables.new_zeros(1, tables.shape[1])))
+        starts = torch.cat((starts, starts[-1:]))
+        lens = torch.cat((lens, lens.new_zeros(1)))
+    return StepTensors(meta.positions, meta.slot_mapping, tables, starts, lens)
+
+
+# Every model instance of the same shapes shares its compiled graphs (they guard on shapes, not
+# on the instance); each further shape (another checkpoint) adds two graphs to the same code.
+RECOMPILE_LIMIT = 64
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
+
+
+def _configure_compiler() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # Equal sizes (a block table two wide, a model two layers deep) must not become a guard that
+    # two unrelated dimensions stay equal.
+    torch.fx.experimental._config.use_duck_shape = False
+
+
+class CompiledStep:
+    """The model's decode and verification forwards, compiled with inductor (see the module)."""
+
+    kind = "inductor"
+
+    def __init__(self, model: torch.nn.Module, max_query_len: int):
+        _configure_compiler()
+        self.model = model
+        self.max_query_len = max_query_len
+        self.compile_s = 0.0          # spent compiling (warm-up and any later recompilation)
+        self._fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
+
+    def covers(self, meta: AttentionMetadata) -> bool:
+        return meta.max_query_len <= self.max_query_len and meta.block_tables.device.type == "cpu"
+
+    def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        n = logits_indices.shape[0]
+        if n < 2:
+            logits_indices = torch.cat((logits_indices, logits_indices[:1].expand(2 - n)))
+        logits = self._fn(input_ids, step_tensors(meta), kv, logits_indices)
+        return logits[:n] if n < 2 else logits
+
+    @torch.inference_mode()
+    def warm_up(self, kv: PagedKVCache, batch: int = 3) -> float:
+        """Compile now, on throw-away sequences in `kv` (freed again): the one-token graph and the
+        general one. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        ids = [f"__warm_up_{i}" for i in range(batch)]
+        try:
+            for sid in ids:
+                if not kv.ensure_capacity(sid, 2 * kv.block_size + self.max_query_len):
+                    raise RuntimeError("the KV pool is too small to compile the decode step in")
+            for b, q in ((1, 1), (batch, 1), (batch, self.max_query_len)):
+                meta = self.model.prepare(kv, ids[:b], [kv.block_size + 1] * b, [q] * b)
+                tokens = torch.zeros(b * q, dtype=torch.long, device=kv.device)
+                self(tokens, meta, kv.kv, torch.arange(b * q, device=kv.device))
+        finally:
+            for sid in ids:
+                kv.free(sid)
+        seconds = time.perf_counter() - t0
+        self.compile_s += seconds
+        return seconds

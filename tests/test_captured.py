@@ -1,0 +1,156 @@
+"""Captured (compiled) steps: the same logits as the eager forward, the same tokens through the
+engine, and an engine that keeps serving when compilation fails.
+
+These are the suite's only compiled engines (the rest run with NIGHTDRAFT_COMPILE=off, see
+conftest.py): compiling costs tens of seconds per model shape, once per process.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.model.attention import kernels
+from backend.model.captured import CompiledStep
+from backend.model.kv_cache import PagedKVCache
+from backend.model.loader import load_model
+from backend.model.runner import ModelRunner
+from backend.sampling.params import SamplingParams
+from model_factory import TINY_DRAFTER, TINY_TARGET
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not kernels.load(), reason=f"no paged attention kernel: {kernels.error()}")]
+
+# Compiled and eager forwards fuse and order float32 arithmetic differently; measured differences
+# on the tiny pair are about 1e-5 of logits of magnitude ~10.
+LOGITS_TOL = 1e-4
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafter_model():
+    return load_model(TINY_DRAFTER, attention="paged")
+
+
+@pytest.fixture(scope="module")
+def compiled_drafter(drafter_model):
+    kv = PagedKVCache.for_model(drafter_model.config, 4 << 20, block_size=16)
+    step = CompiledStep(drafter_model, max_query_len=5)
+    step.warm_up(kv)
+    return step, kv
+
+
+def _forward_both(model, step, kv, seq_ids, cached, new):
+    """Eager and compiled logits of the same forward, each writing into its own copy of `kv`."""
+    tokens = torch.randint(0, model.config.vocab_size, (sum(new),), generator=torch.Generator().manual_seed(3)).tolist()
+    for sid, c, n in zip(seq_ids, cached, new):
+        assert kv.ensure_capacity(sid, c + n)
+    saved = kv.kv.clone()
+    eager = ModelRunner(model, kv).forward(seq_ids, cached, new, tokens, list(range(sum(new))))
+    after_eager = kv.kv.clone()
+    kv.kv.copy_(saved)
+    runner = ModelRunner(model, kv, step)
+    compiled = runner.forward(seq_ids, cached, new, tokens, list(range(sum(new))))
+    assert runner.captured_forwards == 1 and runner.eager_forwards == 0
+    torch.testing.assert_close(kv.kv, after_eager, atol=LOGITS_TOL, rtol=0)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("cached,new", [([20], [1]), ([3, 40, 17], [1, 1, 1]), ([33, 8], [5, 5]), ([15], [5])])
+def test_compiled_logits_equal_eager_within_tolerance(drafter_model, compiled_drafter, cached, new):
+    step, kv = compiled_drafter
+    ids = [f"s{i}" for i in range(len(cached))]
+    eager, compiled = _forward_both(drafter_model, step, kv, ids, cached, new)
+    for sid in ids:
+        kv.free(sid)
+    torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).all()
+
+
+def test_a_prefill_chunk_runs_eagerly(drafter_model, compiled_drafter):
+    step, kv = compiled_drafter
+    runner = ModelRunner(drafter_model, kv, step)
+    assert kv.ensure_capacity("p", 40)
+    runner.forward(["p"], [0], [40], list(range(40)))
+    kv.free("p")
+    assert runner.eager_forwards == 1 and runner.captured_forwards == 0
+
+
+def test_a_compilation_failure_falls_back_to_eager(drafter_model, compiled_drafter, caplog):
+    step, kv = compiled_drafter
+    runner = ModelRunner(drafter_model, kv, step)
+    assert kv.ensure_capacity("f", 10)
+
+    def refuse(*_a, **_k):
+        raise torch._dynamo.exc.Unsupported("a shape the compiler gives up on")
+    original = step._fn
+    step._fn = refuse
+    try:
+        with caplog.at_level(logging.ERROR, logger="nightdraft.runner"):
+            logits = runner.forward(["f"], [9], [1], [5])
+    finally:
+        step._fn = original
+        kv.free("f")
+    assert logits.shape == (1, drafter_model.config.vocab_size)
+    assert runner.captured is None and runner.eager_forwards == 1
+    assert "running op by op" in caplog.text
+
+
+def _engine(**kw):
+    base = dict(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), kv_cache_bytes=16 << 20, num_threads=1,
+                max_num_seqs=8, seed=0, attention="paged")
+    return Engine(EngineConfig(**(base | kw)))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from client.prompts import load_prompts
+    return [p[:60 + 37 * i % 200] for i, p in enumerate(load_prompts(n=6))]
+
+
+@pytest.fixture(scope="module")
+def plain_eager_tokens(prompts):
+    engine = _engine(mode="ar", drafter=None, compile="off")
+    try:
+        return [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=3)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode,extra", [("ar", {"drafter": None}), ("sd", {}), ("auto", {})])
+def test_compiled_engines_decode_what_plain_eager_decoding_does(prompts, plain_eager_tokens, mode, extra):
+    """Greedy output of every mode with everything compiled (target and drafter) equals plain
+    eager decoding token for token; the compiled steps did the decoding."""
+    engine = _engine(mode=mode, compile="on", **extra)
+    try:
+        got = [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=3)]
+        assert engine.runner.captured is not None and engine.runner.captured_forwards > 0
+        if mode != "ar":
+            drafter_runner = engine.drafter.drafter.runner
+            assert drafter_runner.captured is not None and drafter_runner.captured_forwards > 0
+            assert engine.stats().drafted_tokens > 0
+    finally:
+        engine.close()
+    assert got == plain_eager_tokens
+
+
+def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tokens):
+    """Offloading moves the weights and drops the KV pool; the compiled step takes the reloaded
+    weights and the new pool as they are (no recompilation, same tokens)."""
+    engine = _engine(mode="sd", compile="auto")
+    try:
+        drafter = engine.drafter.drafter
+        assert drafter.runner.captured is not None and engine.runner.captured is None   # auto: the drafter only
+        first = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
+        drafter.offload()
+        drafter.reload()
+        before = drafter.runner.captured_forwards
+        second = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
+        assert drafter.runner.captured_forwards > before and drafter.runner.captured is not None
+    finally:
+        engine.close()
+    assert first == second == plain_eager_tokens[:3]
