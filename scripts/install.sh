@@ -22,3 +22,9 @@ fi
 # lies on disk, on a GPU image the CUDA build from the registry.
 "$py" -m pip install --quiet -e ".[${extras}]"
 echo "installed nightdraft into $where (extras: ${extras})"
+# nightdraft is a Python-based Triton backend: put its model.py in the backend directory of the
+# tritonserver `nightdraft serve` finds (an NGC image's /opt/tritonserver/backends; the
+# nvidia-pytriton wheel's server gets a backend directory laid out in ~/.cache/nightdraft).
+if ! "$py" -m client.cli install-backend; then
+    echo "note: no tritonserver to install the backend into yet; run 'nightdraft install-backend' once there is one"
+fi
