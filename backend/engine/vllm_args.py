@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from backend.engine.config import EngineConfig
 from backend.engine.kv_sizing import size_kv_pool
 from backend.engine.paths import resolve_checkpoint
 from backend.errors import ConfigError
@@ -502,7 +503,6 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
     if sc:
         e.update(_speculation(sc, base_dir, download_dirs))
     if args.get("enforce_eager") is not None and _bool("enforce_eager", args["enforce_eager"]):
-        from backend.engine.config import EngineConfig
         if "compile" in {f.name for f in fields(EngineConfig)}:
             e["compile"] = "off"
         else:
@@ -514,7 +514,6 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
     for k in memory_args:
         memory_args[k] = float(memory_args[k]) if k == "gpu_memory_utilization" else _int(k, memory_args[k])
     drafter_cfg = ModelConfig.from_pretrained(e["drafter"]) if e.get("drafter") else None
-    from backend.engine.config import EngineConfig
     defaults = {f.name: f.default for f in fields(EngineConfig)}
     kwargs = {} if device_memory is None else {"device_memory": device_memory}
     kv = size_kv_pool(
