@@ -262,6 +262,14 @@ def test_model_json_beside_engine_json_merges_and_conflicts_are_refused(tmp_path
         "model": str(TINY_DRAFTER), "num_speculative_tokens": 4}})
     with pytest.raises(Pb.TritonModelException, match=r"gamma: engine.json says 2, model.json means 4"):
         load_engine_config(model_args(d), "engine.json", cuda_count=0)
+    # model.json's defaults (dtype auto, the KV pool from vLLM's default memory rule) give way to
+    # what engine.json says; what model.json gives explicitly does not.
+    d = write(tmp_path / "d", engine={"dtype": "bfloat16", "kv_cache_bytes": 1 << 20}, model={"model": str(TINY_TARGET)})
+    cfg = load_engine_config(model_args(d), "engine.json", cuda_count=0).config
+    assert (cfg.dtype, cfg.kv_cache_bytes) == ("bfloat16", 1 << 20)
+    d = write(tmp_path / "e", engine={"dtype": "bfloat16"}, model={"model": str(TINY_TARGET), "dtype": "float16"})
+    with pytest.raises(Pb.TritonModelException, match=r"dtype: engine.json says 'bfloat16', model.json means 'float16'"):
+        load_engine_config(model_args(d), "engine.json", cuda_count=0)
     # The same value in both is no conflict (paths compared resolved).
     d = write(tmp_path / "s", engine={"target": str(TINY_TARGET)}, model={"model": str(TINY_TARGET)})
     assert load_engine_config(model_args(d), "engine.json", cuda_count=0).config.target == str(TINY_TARGET.resolve())

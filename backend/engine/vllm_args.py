@@ -317,9 +317,11 @@ _DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "flo
 
 @dataclass
 class VllmEngineArgs:
-    """What a model.json asks of nightdraft: engine configuration keys, the serving switch
+    """What a model.json asks of nightdraft: engine configuration keys (``defaulted``: those that
+    come from vLLM's defaults, not from a value model.json gives), the serving switch
     ``disable_log_stats``, and warnings for the load log."""
     engine: dict[str, Any] = field(default_factory=dict)
+    defaulted: set[str] = field(default_factory=set)
     disable_log_stats: bool = False
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -497,6 +499,8 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
     _generation_defaults(args, target, base_dir)
     target_cfg = ModelConfig.from_pretrained(target)
     e["dtype"] = _dtype(args, device, target_cfg)
+    if str(args.get("dtype") or "auto").lower() == "auto":
+        out.defaulted.add("dtype")
     for key in ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
         if args.get(key) is not None:
             e[key] = _int(key, args[key])
@@ -525,5 +529,7 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
         gamma_max=e.get("gamma_max", defaults["gamma_max"]), env=env, **kwargs)
     if kv.target_bytes is not None:
         e["kv_cache_bytes"] = kv.target_bytes
+        if not memory_args:
+            out.defaulted.add("kv_cache_bytes")
     out.notes.append(f"KV pool: {kv.rule}")
     return out

@@ -14,7 +14,6 @@ they set differently is refused. The instance's placement (``instance``) decides
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from backend.engine.config import ConfigError, EngineConfig
 from backend.engine.paths import resolve_checkpoint
 from backend.engine.vllm_args import engine_keys_from_vllm, read_model_json, vllm_device
 from backend.serving.instance import place
-
-log = logging.getLogger("nightdraft.triton")
 
 MODEL_JSON = "model.json"
 
@@ -109,7 +106,7 @@ def load_engine_config(margs: ModelArgs, default: str, cuda_count: int | None = 
         if vargs is not None:
             mapped = engine_keys_from_vllm(vargs, base_dir=path.parent, device=placement.device,
                                            drafter_device=placement.drafter_device)
-            merged = _merge(mapped.engine, raw, path.parent)
+            merged = _merge(mapped.engine, raw, path.parent, defaulted=mapped.defaulted)
             disable_log_stats = mapped.disable_log_stats
             lines += [f"model.json: {w} (ignored)" for w in mapped.warnings]
             lines += [f"model.json: {n}" for n in mapped.notes]
@@ -136,11 +133,12 @@ def _read_engine_json(path: Path) -> dict:
     return raw
 
 
-def _merge(from_model_json: dict, from_engine_json: dict, base_dir: Path) -> dict:
-    """Both files' keys; a key both set to different values is refused."""
+def _merge(from_model_json: dict, from_engine_json: dict, base_dir: Path, defaulted: set[str] = frozenset()) -> dict:
+    """Both files' keys; a key both set to different values is refused, unless model.json's
+    value is only vLLM's default (``defaulted``): then engine.json's stands."""
     merged = dict(from_model_json)
     for key, value in from_engine_json.items():
-        if key in merged:
+        if key in merged and key not in defaulted:
             mine = value
             if key in ("target", "drafter", "tokenizer") and isinstance(value, str):
                 mine = str(resolve_checkpoint(key, value, base_dir))
