@@ -1,11 +1,11 @@
-"""The `nightdraft` command: serve, complete, bench."""
+"""The `nightdraft` command: serve, install-backend, complete, bench."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from client import (bench_compare, bench_dynamic, bench_offline, bench_profile, bench_serve, bench_vllm,
+from client import (backend_dir, bench_compare, bench_dynamic, bench_offline, bench_profile, bench_serve, bench_vllm,
                     launcher, triton_client)
 
 
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nightdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     launcher.add_serve_parser(sub)
+    backend_dir.add_install_parser(sub)
     triton_client.add_complete_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON and print a table")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -42,11 +41,9 @@ def write_repository(root: Path, engine_config: dict) -> Path:
     repo = root / "model_repository"
     dst = repo / MODEL
     (dst / "1").mkdir(parents=True)
-    shutil.copy(src / "bootstrap.py", repo / "bootstrap.py")      # every model.py runs it
     pbtxt = (src / MODEL / "config.pbtxt").read_text()
     (dst / "config.pbtxt").write_text(
         set_model_parameter(pbtxt, SUMMARY_FILE, str(planner_summary_path(repo).resolve())))
-    shutil.copy(src / MODEL / "1" / "model.py", dst / "1" / "model.py")
     (dst / "1" / "engine.json").write_text(json.dumps(engine_config, indent=2))
     return repo
 

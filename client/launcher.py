@@ -7,14 +7,19 @@ Where the server comes from, in order:
    backend directory, so we pass none);
 3. the server shipped in the ``nvidia-pytriton`` wheel. That wheel carries the Python backend
    (``libtriton_python.so``) and one ``triton_python_backend_stub`` per Python version in a
-   separate folder, so we lay out a backend directory (a cache, built once per wheel and
-   Python version) with the library and the stub for the running interpreter next to it.
+   separate folder, so we lay out a backend directory (a cache, built once per wheel, Python
+   version and nightdraft backend) with the library and the stub for the running interpreter
+   next to it, and the nightdraft backend.
+
+nightdraft is a Python-based backend (``backends/nightdraft/model.py``, see
+``client.backend_dir``): a server whose own backend directory lacks the current copy runs with a
+backend directory of ours that adds it to its backends.
 
 The server runs with this environment's ``bin`` first on ``PATH`` (the Python backend stub uses
 the first ``python3`` on ``PATH``, so models import this environment's packages), the wheel's
 shared libraries on ``LD_LIBRARY_PATH``, and ``$NIGHTDRAFT_ROOT`` naming the directory that
-holds the ``backend`` package (``model_repository/bootstrap.py``, which every ``model.py`` runs,
-uses it when the package is not installed).
+holds the ``backend`` package (the backend's model.py imports it from there when the package
+is not installed, and checkpoint paths in an engine.json may name it).
 
 Security defaults: the server listens on 127.0.0.1 unless told otherwise (``--host``), and
 Triton's administrative APIs (:data:`RESTRICTED_APIS`: model load/unload, shared-memory
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import re
@@ -44,6 +50,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from client.backend_dir import backend_model_digest, install_backend, is_installed, overlay_backend_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -114,8 +122,9 @@ def _cache_root() -> Path:
 
 def layout_python_backend(triton_dist: Path, dest_root: Path | None = None) -> Path:
     """Build ``<dest>/python/{libtriton_python.so, triton_python_backend_utils.py,
-    triton_python_backend_stub}`` from a pytriton ``tritonserver`` folder; returns ``<dest>``
-    (the value for ``--backend-directory``). Built once, atomically, per source and Python."""
+    triton_python_backend_stub}`` and ``<dest>/nightdraft/model.py`` from a pytriton
+    ``tritonserver`` folder; returns ``<dest>`` (the value for ``--backend-directory``). Built
+    once, atomically, per source, Python and nightdraft backend."""
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     src_backend = triton_dist / "backends" / "python"
     stub = triton_dist / "python_backend_stubs" / ver / "triton_python_backend_stub"
@@ -126,12 +135,12 @@ def layout_python_backend(triton_dist: Path, dest_root: Path | None = None) -> P
         have = sorted(p.name for p in (triton_dist / "python_backend_stubs").glob("*"))
         raise LauncherError(f"the Triton wheel has no Python backend stub for Python {ver} "
                             f"(it has: {', '.join(have) or 'none'}); use one of those Pythons")
-    key = hashlib.sha256()
+    key = hashlib.sha256(backend_model_digest().encode())
     for p in (lib, stub):
         st = p.stat()
         key.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
     dest = (dest_root or _cache_root()) / f"triton-backends-py{ver}-{key.hexdigest()[:12]}"
-    if (dest / "python" / "triton_python_backend_stub").is_file():
+    if (dest / "python" / "triton_python_backend_stub").is_file() and is_installed(dest):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
@@ -143,6 +152,7 @@ def layout_python_backend(triton_dist: Path, dest_root: Path | None = None) -> P
             shutil.copy2(utils, tmp / "python" / utils.name)
         shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
         os.chmod(tmp / "python" / "triton_python_backend_stub", 0o755)
+        install_backend(tmp)
         try:
             os.rename(tmp, dest)
         except OSError:  # another process won the race; its copy is as good as ours
@@ -182,6 +192,24 @@ def find_tritonserver(explicit: str | os.PathLike | None = None) -> TritonInstal
         "or install the serve extra (pip install -e '.[serve]', which brings nvidia-pytriton)")
 
 
+def server_backend_dir(binary: Path) -> Path:
+    """The backend directory a tritonserver uses unless told otherwise (``bin/../backends``:
+    ``/opt/tritonserver/backends`` in NGC images)."""
+    return Path(binary).resolve().parent.parent / "backends"
+
+
+def with_nightdraft_backend(install: TritonInstall) -> TritonInstall:
+    """The install, pointed at a backend directory that holds the current nightdraft backend:
+    its own when it does (or when it has no Python backend to run one: then nothing helps), else
+    an overlay in the cache (``client.backend_dir.overlay_backend_dir``)."""
+    if install.backend_dir is not None:   # laid out by us (the pytriton wheel): nightdraft is in it
+        return install
+    own = server_backend_dir(install.binary)
+    if is_installed(own) or not (own / "python").is_dir():
+        return install
+    return dataclasses.replace(install, backend_dir=overlay_backend_dir(own, _cache_root()))
+
+
 def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     bindir = Path(sys.prefix) / "bin" if sys.prefix != sys.base_prefix else Path(sys.executable).parent
@@ -195,8 +223,8 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     if libdirs:
         old = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(libdirs + old)
-    # The Python backend stub builds its own sys.path (PYTHONPATH is not honoured); the model
-    # repository's bootstrap.py falls back to this directory when the package is not installed.
+    # The Python backend stub builds its own sys.path (PYTHONPATH is not honoured); the
+    # backend's model.py falls back to this directory when the package is not installed.
     if (REPO_ROOT / "backend" / "__init__.py").is_file():
         env.setdefault("NIGHTDRAFT_ROOT", str(REPO_ROOT))
     # The stub must see numpy < 2 and this environment; never a user site directory.
@@ -248,7 +276,7 @@ class TritonServer:
             raise LauncherError(f"model repository {self.model_repository} is not a directory")
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
-        self.install = find_tritonserver(tritonserver)
+        self.install = with_nightdraft_backend(find_tritonserver(tritonserver))
         self.log_file = Path(log_file) if log_file else None
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s

@@ -25,3 +25,9 @@ fi
 # build makes one at start, and one that cannot says why and uses the reference attention.
 "$py" -m backend.model.attention.kernels || echo "install: the paged attention kernel was not built (see above)"
 echo "installed nightdraft into $where (extras: ${extras})"
+# nightdraft is a Python-based Triton backend: put its model.py in the backend directory of the
+# tritonserver `nightdraft serve` finds (an NGC image's /opt/tritonserver/backends; the
+# nvidia-pytriton wheel's server gets a backend directory laid out in ~/.cache/nightdraft).
+if ! "$py" -m client.cli install-backend; then
+    echo "note: no tritonserver to install the backend into yet; run 'nightdraft install-backend' once there is one"
+fi

@@ -827,15 +827,15 @@ def admin_server(tmp_path_factory):
         pytest.skip(f"no runnable tritonserver: {e}")
     engine_json = REPO / "model_repository" / "nightdraft" / "1" / "engine.json"
     engine = json.loads(engine_json.read_text())
+    from backend.engine.paths import resolve_local
     for k in ("target", "drafter"):   # the copy lives elsewhere: absolute checkpoint paths
-        engine[k] = str((engine_json.parent / engine[k]).resolve())
+        engine[k] = str(resolve_local(k, engine[k], engine_json.parent))
     if not (Path(engine["target"]) / "tokenizer.json").is_file():
         pytest.skip(f"no tokenizer at {engine['target']} (make tiny-models)")
     tmp = tmp_path_factory.mktemp("triton-admin")
     repo = tmp / "model_repository"
     shutil.copytree(REPO / "model_repository" / "preprocessing", repo / "preprocessing",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "model_repository" / "bootstrap.py", repo / "bootstrap.py")   # model.py runs it
     (repo / "nightdraft" / "1").mkdir(parents=True)
     (repo / "nightdraft" / "1" / "engine.json").write_text(json.dumps(engine))
     # The launcher's defaults otherwise (host included); the key as deployments pass it.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from backend.engine.paths import resolve_checkpoint, resolve_local
 from backend.errors import ConfigError
 
 MODES = ("ar", "sd", "psd", "auto")
@@ -21,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     target: str
     drafter: str | None = None
+    tokenizer: str | None = None                # default: the target's directory
     device: str = "cpu"
     # Where the drafter runs. None: in the target's process on `device`. "cuda:N": a worker
     # process on that GPU. "cpu" / "cpu:CORES" (e.g. "cpu:1", "cpu:2-3"): a worker process pinned
@@ -107,6 +109,8 @@ class EngineConfig:
 
         need(isinstance(self.target, str) and bool(self.target), "target: a checkpoint directory is required")
         need(Path(self.target, "config.json").is_file(), f"target: no config.json in {self.target!r}")
+        if self.tokenizer is not None:
+            need(Path(self.tokenizer, "tokenizer.json").is_file(), f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
         if self.drafter is not None:
             need(Path(self.drafter, "config.json").is_file(), f"drafter: no config.json in {self.drafter!r}")
         need(self.mode in MODES, f"mode: must be one of {MODES}, got {self.mode!r}")
@@ -183,10 +187,13 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine config key(s) {unknown}; known: {sorted(known)}")
         values = dict(raw)
-        if base_dir is not None:  # checkpoint paths in engine.json are relative to the file
-            for key in ("target", "drafter", "planner_cost_profile"):
-                if isinstance(values.get(key), str) and values[key] not in ("calibrate", "off"):
-                    values[key] = str((Path(base_dir) / values[key]).resolve())
+        # Checkpoint paths: relative to the file, $VARIABLES expanded, or a Hugging Face id in the
+        # local cache (backend/engine/paths.py).
+        for key in ("target", "drafter", "tokenizer"):
+            if isinstance(values.get(key), str):
+                values[key] = str(resolve_checkpoint(key, values[key], base_dir))
+        if isinstance(values.get("planner_cost_profile"), str) and values["planner_cost_profile"] not in ("calibrate", "off"):
+            values["planner_cost_profile"] = str(resolve_local("planner_cost_profile", values["planner_cost_profile"], base_dir))
         if "target" not in values:
             raise ConfigError("target: a checkpoint directory is required")
         return cls(**values)

@@ -70,7 +70,7 @@ class Engine:
         if config.linear_kernels == "auto":
             pack_linears(self.target)
         mc = self.target.config
-        self.tokenizer = Tokenizer.from_pretrained(config.target, eos_token_ids=mc.eos_token_ids)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
         self.kv = PagedKVCache.for_model(mc, config.kv_cache_bytes, block_size=config.block_size,
                                          dtype=self.dtype, device=config.device)
         self.runner = ModelRunner(self.target, self.kv, capture_for(

@@ -1,11 +1,23 @@
-"""Tokenizer loading (Hugging Face tokenizer.json) and incremental detokenization."""
+"""Tokenizer loading (Hugging Face tokenizer.json) and incremental detokenization.
+
+Prompts are encoded as vLLM and transformers encode them (``tokenizer.encode(text)``): with the
+special tokens of tokenizer.json's post-processor, so a checkpoint whose tokenizer adds BOS
+(Llama, Mistral, Gemma) gets it and one whose tokenizer does not (GPT-2, Qwen) does not.
+transformers (5.x, as vLLM uses it) takes tokenizer.json's post-processor as the truth and
+ignores ``add_bos_token`` / ``add_eos_token`` in tokenizer_config.json when a tokenizer.json is
+present; so does this, and it says so in the log when the two disagree (transformers 4's
+LlamaTokenizerFast followed ``add_bos_token``).
+"""
 from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger("nightdraft.model")
 
 
 _GIL_FREE_ABOVE = 4096     # characters
@@ -26,20 +38,39 @@ class Tokenizer:
         tok = _HFTokenizer.from_file(str(file))
         eos = set(eos_token_ids)
         cfg_file = path / "tokenizer_config.json"
-        if cfg_file.is_file():
-            eos_token = json.loads(cfg_file.read_text()).get("eos_token")
-            if isinstance(eos_token, dict):  # AddedToken serialisation
-                eos_token = eos_token.get("content")
-            if eos_token and tok.token_to_id(eos_token) is not None:
-                eos.add(tok.token_to_id(eos_token))
-        return cls(tok, tuple(sorted(eos)))
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        eos_token = cfg.get("eos_token")
+        if isinstance(eos_token, dict):  # AddedToken serialisation
+            eos_token = eos_token.get("content")
+        if eos_token and tok.token_to_id(eos_token) is not None:
+            eos.add(tok.token_to_id(eos_token))
+        tokenizer = cls(tok, tuple(sorted(eos)))
+        tokenizer._note_config_disagreement(cfg, path)
+        return tokenizer
+
+    @functools.cached_property
+    def added_special_ids(self) -> tuple[list[int], list[int]]:
+        """(prefix, suffix): the ids the post-processor puts around every prompt (BOS, EOS)."""
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+        return full[:start], full[start + len(bare):]
+
+    def _note_config_disagreement(self, cfg: dict, path: Path) -> None:
+        prefix, suffix = self.added_special_ids
+        for key, added in (("add_bos_token", bool(prefix)), ("add_eos_token", bool(suffix))):
+            if key in cfg and bool(cfg[key]) != added:
+                log.warning("%s: tokenizer_config.json says %s=%s but tokenizer.json's post-processor %s; "
+                            "prompts are encoded as tokenizer.json says (as transformers 5 and vLLM do)",
+                            path, key, cfg[key], "adds it" if added else "does not")
 
     def encode(self, text: str) -> list[int]:
+        """The prompt's ids, with the special tokens the tokenizer adds (BOS where it does)."""
         if len(text) < _GIL_FREE_ABOVE:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._tok.encode(text, add_special_tokens=True).ids
         # encode() holds the GIL for its whole run (3 s for 4 MB here, freezing every other
         # thread of the server); encode_batch releases it.
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

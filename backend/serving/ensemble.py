@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.model.tokenizer import Tokenizer
-from backend.serving.config import ModelArgs, load_engine_config
+from backend.serving.config import ModelArgs, tokenizer_dir
 from backend.serving.inputs import input_int, scalar
 from backend.serving.responses import error_response
 from backend.values import to_str
@@ -30,20 +30,19 @@ log = logging.getLogger("nightdraft.triton")
 DEFAULT_ENGINE_CONFIG = "../../nightdraft/1/engine.json"
 
 
-def ensemble_model(pb_utils: Any, flavour: str) -> type:
+def ensemble_model(pb_utils: Any, role: str) -> type:
     """The ``TritonPythonModel`` class of ``preprocessing`` or ``postprocessing``."""
     steps = {"preprocessing": tokenize, "postprocessing": detokenize}
-    step = steps[flavour]
+    step = steps[role]
 
     class TritonPythonModel:
         pb = pb_utils
 
         def initialize(self, args: dict[str, str]) -> None:
-            config, _ = load_engine_config(ModelArgs(self.pb, args), DEFAULT_ENGINE_CONFIG)
-            self.tokenizer = Tokenizer.from_pretrained(config.target)
+            self.tokenizer = Tokenizer.from_pretrained(tokenizer_dir(ModelArgs(self.pb, args), DEFAULT_ENGINE_CONFIG))
 
         def execute(self, requests: list[Any]) -> list[Any]:
-            return respond_each(self.pb, requests, lambda r: step(self.pb, self.tokenizer, r), flavour)
+            return respond_each(self.pb, requests, lambda r: step(self.pb, self.tokenizer, r), role)
 
     return TritonPythonModel
 

@@ -8,7 +8,8 @@ A watcher thread notices the unload and drains (``drain.Drain``). Every request 
 final flag, also at ``finalize``, which aborts in-flight work and joins the threads.
 
 Model parameters (config.pbtxt): ``engine_config`` (engine.json, relative to the version
-directory), ``report_custom_metrics``, ``shutdown_grace_s``, ``metrics_url`` and
+directory; the vLLM backend's model.json beside it is read too, see ``config``),
+``report_custom_metrics``, ``REPORT_CUSTOM_METRICS``, ``shutdown_grace_s``, ``metrics_url`` and
 ``planner_summary_file`` (mode auto; see ``planner_io``).
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def generation_model(pb_utils: Any, request_class: type[ServedRequest]) -> type:
 class GenerationModel:
     pb: Any = None
     token_text: Any = None          # the engine's tokenizer, one token at a time (for logprobs)
+    _disable_log_stats = False      # model.json: disable_log_stats
     REQUEST: type[ServedRequest] = ServedRequest
 
     # ------------------------------------------------------------------ life cycle
@@ -69,9 +71,13 @@ class GenerationModel:
         self.drain.watch()
 
     def _load_engine(self, margs: ModelArgs) -> Any:
-        config, path = load_engine_config(margs, "engine.json")
+        source = load_engine_config(margs, "engine.json")
+        config = source.config
+        self._disable_log_stats = source.disable_log_stats
+        for line in source.log_lines:
+            log.info("%s: %s", self.model_name, line)
         log.info("%s: loading engine from %s (target %s, drafter %s, mode %s, device %s)",
-                 self.model_name, path, config.target, config.drafter, config.mode, config.device)
+                 self.model_name, source.describe(), config.target, config.drafter, config.mode, config.device)
         from backend.engine.engine import Engine  # heavy (torch); imported when a model loads
         self._server_signals = server_signals(margs, config.mode)
         t0 = time.monotonic()
@@ -86,7 +92,9 @@ class GenerationModel:
         return engine
 
     def _start_metrics(self, margs: ModelArgs) -> Any | None:
-        ours, vllm = margs.flag("report_custom_metrics", True), margs.flag("REPORT_CUSTOM_METRICS", False)
+        # The vLLM backend's switch, off as there when model.json says disable_log_stats.
+        ours = margs.flag("report_custom_metrics", True)
+        vllm = margs.flag("REPORT_CUSTOM_METRICS", False) and not self._disable_log_stats
         if not ours and not vllm:
             return None
         try:

@@ -1,6 +1,0 @@
-"""postprocessing: the ensemble's detokenizer (output_ids window -> text_output delta); the code is in backend.serving."""
-import runpy
-from pathlib import Path
-
-_bootstrap = runpy.run_path(str(Path(__file__).absolute().parents[2] / "bootstrap.py"))
-TritonPythonModel = _bootstrap["triton_python_model"]("postprocessing")
