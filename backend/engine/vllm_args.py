@@ -507,10 +507,7 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
     if sc:
         e.update(_speculation(sc, base_dir, download_dirs))
     if args.get("enforce_eager") is not None and _bool("enforce_eager", args["enforce_eager"]):
-        if "compile" in {f.name for f in fields(EngineConfig)}:
-            e["compile"] = "off"
-        else:
-            out.notes.append("enforce_eager: the engine runs eager (it compiles no steps)")
+        e["compile"] = "off"
     out.disable_log_stats = _bool("disable_log_stats", args.get("disable_log_stats", False))
 
     memory_args = {k: args[k] for k in ("gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override")
