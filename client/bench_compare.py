@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from planner.cost_model import CostProfile, predict, psd_speedup_bound
-from client.bench_offline import add_engine_args
+from client.bench_offline import add_engine_args, executor_args
 from client.prompts import load_prompts
 from client.plotting import pyplot
 
@@ -83,7 +83,7 @@ def build_engines(args, names: list[str]) -> dict:
 
     one, both = _placements()
     common = dict(target=args.target, device=args.device, dtype=args.dtype,
-                  kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0)
+                  kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0, **executor_args(args))
     engines = {}
     for name in names:
         print(f"loading {name} ...", file=sys.stderr)

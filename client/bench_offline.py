@@ -22,6 +22,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="target KV cache budget (MiB)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--attention", default="auto", choices=["auto", "paged", "sdpa"],
+                   help="attention backend (EngineConfig.attention)")
+    p.add_argument("--compile", default=None, choices=["auto", "on", "off"],
+                   help="captured steps (EngineConfig.compile; default: $NIGHTDRAFT_COMPILE or auto)")
+
+
+def executor_args(args) -> dict:
+    """The engine configuration's executor keys the command line set (attention, compile)."""
+    out = {"attention": getattr(args, "attention", "auto")}
+    if getattr(args, "compile", None) is not None:
+        out["compile"] = args.compile
+    return out
 
 
 def add_offline_parser(bench_sub) -> None:
@@ -59,7 +71,7 @@ def build_engine(args, mode: str, gamma: int):
         gamma=gamma if mode != "ar" else 0, gamma_max=max(8, gamma), seed=args.seed,
         num_threads=args.threads, max_num_seqs=max(64, args.concurrency),
         planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate"),
-        lend_drafter_cores=getattr(args, "lend_drafter_cores", True)))
+        lend_drafter_cores=getattr(args, "lend_drafter_cores", True), **executor_args(args)))
 
 
 def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int, temperature: float,

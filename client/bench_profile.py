@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from client.bench_offline import add_engine_args
+from client.bench_offline import add_engine_args, executor_args
 from client.prompts import load_prompts
 from client.plotting import pyplot
 
@@ -56,7 +56,7 @@ def build(args, name: str):
     from backend.engine.engine import Engine
 
     common = dict(target=args.target, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20,
-                  max_num_seqs=128, num_threads=args.threads or 1, seed=0)
+                  max_num_seqs=128, num_threads=args.threads or 1, seed=0, **executor_args(args))
     if name == "ar":
         return Engine(EngineConfig(**common, mode="ar"))
     if name == "sd":
@@ -102,7 +102,9 @@ def phase_split(steps: list) -> dict[str, float]:
 
 
 class Floors:
-    """Floors of the target's and the drafter's forwards, measured once per shape."""
+    """Floors of the target's and the drafter's forwards: their matmuls at the forward's rows
+    (measured once per shape), and one read of the K/V they attend at the copy bandwidth
+    measured in the same run for a buffer of that size."""
 
     def __init__(self, target, drafter_path: str | None, dtype):
         from backend.model.loader import load_model
@@ -110,12 +112,23 @@ class Floors:
         self.drafter = load_model(drafter_path, device="cpu", dtype=dtype) if drafter_path else None
         self._memo: dict = {}
 
+    def _model(self, which: str):
+        return self.target if which == "target" else self.drafter
+
     def __call__(self, which: str, rows: int) -> float:
         from backend.model.floor import forward_floor
         key = (which, rows)
         if key not in self._memo:
-            model = self.target if which == "target" else self.drafter
-            self._memo[key] = forward_floor(model, rows)
+            self._memo[key] = forward_floor(self._model(which), rows)
+        return self._memo[key]
+
+    def kv(self, which: str, context_tokens: int) -> float:
+        from backend.model.floor import copy_bandwidth, kv_bytes_per_token, kv_read_floor
+        model = self._model(which)
+        key = ("kv", which, context_tokens)
+        if key not in self._memo:
+            bandwidth = copy_bandwidth(context_tokens * kv_bytes_per_token(model))
+            self._memo[key] = kv_read_floor(model, context_tokens, bandwidth)
         return self._memo[key]
 
 
@@ -127,18 +140,26 @@ def profile_config(engine, name: str, conc: int, prompts: list[str], floors: Flo
     split = phase_split(steps)
     batch = statistics.median(s.batch_size for s in steps)
     rows = int(statistics.median(s.num_forward_tokens for s in steps))
+    context = int(statistics.median(s.num_context_tokens for s in steps))
     target_floor = floors("target", rows)
+    kv_floor = floors.kv("target", context)
     row |= {"step_ms": 1e3 * split["step"], "phases_ms": {k: 1e3 * v for k, v in split.items() if k != "step"},
-            "batch": batch, "forward_rows": rows, "target_floor_ms": 1e3 * target_floor}
+            "batch": batch, "forward_rows": rows, "context_tokens": context,
+            "target_floor_ms": 1e3 * target_floor, "kv_floor_ms": 1e3 * kv_floor}
     g = args.gamma if name != "ar" else 0
     if name == "ar":
-        row["step_over_floor"] = split["step"] / target_floor
+        floor, full = target_floor, target_floor + kv_floor
     elif name == "sd":
+        # The drafter attends about the same contexts (without the drafts being verified).
+        drafter_context = max(context - g * int(batch), int(batch))
         drafter_floor = floors("drafter", int(batch))
+        drafter_full = drafter_floor + floors.kv("drafter", drafter_context)
         draft_step = split["draft"] / g
         row |= {"drafter_step_ms": 1e3 * draft_step, "drafter_floor_ms": 1e3 * drafter_floor,
+                "drafter_full_floor_ms": 1e3 * drafter_full,
                 "drafter_step_over_floor": draft_step / drafter_floor,
-                "step_over_floor": split["step"] / (target_floor + g * drafter_floor)}
+                "drafter_step_over_full_floor": draft_step / drafter_full}
+        floor, full = target_floor + g * drafter_floor, target_floor + kv_floor + g * drafter_full
     else:   # psd: the worker drafts the other half while the target verifies
         psd = [s for s in steps if s.mode == "psd"]
         if psd:
@@ -147,7 +168,9 @@ def profile_config(engine, name: str, conc: int, prompts: list[str], floors: Flo
             row["verify_ms"] = 1e3 * statistics.median(s.t_verify_s for s in psd)
             drafter_floor = floors("drafter", max(1, conc - int(batch)))
             row["worker_drafter_step_over_floor"] = (row["worker_draft_ms"] / 1e3 / g) / drafter_floor
-        row["step_over_floor"] = split["step"] / target_floor
+        floor, full = target_floor, target_floor + kv_floor
+    row["step_over_floor"] = split["step"] / floor
+    row["step_over_full_floor"] = split["step"] / full
     return row
 
 
@@ -197,7 +220,8 @@ def format_row(r: dict) -> str:
         extra = f", overlap {r['overlap']:.2f}"
     where = " (server)" if r.get("server") else ""
     return (f"{r['config']:>4}{where} c={r['concurrency']:>3}: step {r['step_ms']:.2f} ms, floor "
-            f"{r['target_floor_ms']:.2f} ms, step/floor {r['step_over_floor']:.2f}{extra}; "
+            f"{r['target_floor_ms']:.2f} ms (+ K/V read {r.get('kv_floor_ms', 0):.2f} ms), step/floor "
+            f"{r['step_over_floor']:.2f} ({_fmt(r.get('step_over_full_floor'))} with the K/V read){extra}; "
             f"{r['tokens_per_s']:.0f} tok/s")
 
 
@@ -209,9 +233,9 @@ def print_table(rows: list[dict]) -> None:
         for r in served:
             print(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.0f} | "
                   f"{_fmt(r.get('over_in_process'))} | {_fmt(r.get('mean_step_ms'))} |")
-    print("\n| config | c | tok/s | step ms | floor ms | step/floor | " +
-          " | ".join(PHASES) + " | drafter step/floor | overlap |")
-    print("|" + "---|" * (8 + len(PHASES)))
+    print("\n| config | c | tok/s | step ms | matmul floor ms | K/V read ms | step/floor | step/(floor + K/V) | " +
+          " | ".join(PHASES) + " | drafter step/floor | drafter step/(floor + K/V) | overlap |")
+    print("|" + "---|" * (11 + len(PHASES)))
     for r in rows:
         if "step_ms" not in r:
             continue
@@ -219,9 +243,10 @@ def print_table(rows: list[dict]) -> None:
         name = r["config"] + (" (server)" if r.get("server") else "")
         dr = r.get("drafter_step_over_floor", r.get("worker_drafter_step_over_floor"))
         print(f"| {name} | {r['concurrency']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
-              f"{r['target_floor_ms']:.2f} | {r['step_over_floor']:.2f} | " +
+              f"{r['target_floor_ms']:.2f} | {_fmt(r.get('kv_floor_ms'))} | {r['step_over_floor']:.2f} | "
+              f"{_fmt(r.get('step_over_full_floor'))} | " +
               " | ".join(f"{ph.get(p, 0):.2f}" for p in PHASES) +
-              f" | {_fmt(dr)} | {_fmt(r.get('overlap'))} |")
+              f" | {_fmt(dr)} | {_fmt(r.get('drafter_step_over_full_floor'))} | {_fmt(r.get('overlap'))} |")
 
 
 def _fmt(v) -> str:

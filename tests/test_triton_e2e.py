@@ -149,6 +149,39 @@ def test_grpc_stream_is_incremental_and_equals_offline_greedy(triton_server, off
     assert res.num_output_tokens == offline[prompt].n
 
 
+def test_a_kept_grpc_stream_serves_request_after_request(triton_server, offline):
+    """keep_open: one channel and one stream for all of a client's requests (what bench serve's
+    workers use); each request still gets exactly its own responses, and an error ends the
+    stream so that the next request opens a fresh one."""
+    client = GrpcClient(triton_server.grpc_url, keep_open=True)
+    try:
+        first = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
+        channel = client._open[0]
+        second = client.generate(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
+        assert client._open[0] is channel, "the second request opened a new channel"
+        assert (first.text, second.text) == (offline[PROMPTS[0]][0], offline[PROMPTS[1]][0])
+        with pytest.raises(ClientError):
+            client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=-1.0)
+        assert client._open is None
+        again = client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
+        assert again.text == offline[PROMPTS[0]][0]
+    finally:
+        client.close()
+
+
+def test_bench_serve_opens_one_channel_per_worker(triton_server):
+    import argparse
+
+    from client.bench_serve import _add_args, run_bench
+    p = argparse.ArgumentParser()
+    _add_args(p)
+    args = p.parse_args(["--url", triton_server.grpc_url, "--concurrency", "3", "--num-prompts", "9",
+                         "--max-tokens", "8", "--no-progress", "--metrics-url", triton_server.metrics_url])
+    summary = run_bench(args)
+    assert summary["completed"] == 9 and summary["failed"] == 0
+    assert summary["clients"] == 4, "a channel per request, not per worker (and one for the warm-up)"
+
+
 @pytest.mark.parametrize("prompt", PROMPTS[:2] + PROMPTS[3:])
 def test_http_generate_stream_is_incremental_and_equals_offline_greedy(triton_server, offline, prompt):
     res = collect(http(triton_server).stream(prompt, max_tokens=MAX_TOKENS, temperature=0.0))

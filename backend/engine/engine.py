@@ -305,11 +305,13 @@ class Engine:
             else:
                 rows.append((len(logits_indices), 0))
         t1 = time.perf_counter()
-        logits = self.runner.forward([s.seq.request_id for s in batch], [s.seq.num_computed for s in batch],
-                                     num_new, input_ids, logits_indices)
-        step.t_prepare_s += t1 - t0
-        step.t_forward_s += time.perf_counter() - t1
+        cached = [s.seq.num_computed for s in batch]
+        logits = self.runner.forward([s.seq.request_id for s in batch], cached, num_new, input_ids, logits_indices)
+        prepare = t1 - t0 + self.runner.last_prepare_s
+        step.t_prepare_s += prepare
+        step.t_forward_s += time.perf_counter() - t0 - prepare
         step.num_forward_tokens += len(input_ids)
+        step.num_context_tokens += sum(cached) + len(input_ids)
         return logits, rows
 
     def _commit(self, s: ScheduledSeq, decided, step: StepStats) -> RequestOutput | None:

@@ -43,6 +43,7 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_recompute_tokens: int = 0     # of those, re-fed after a preemption
     num_forward_tokens: int = 0       # tokens fed to the target's forward (prefill + decode + drafts)
+    num_context_tokens: int = 0       # tokens whose K/V the target's attention read (every context)
     tokens_committed: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -52,8 +53,8 @@ class StepStats:
     t_draft_s: float = 0.0            # drafting in line (PSD: the worker's time, overlapped)
     t_transport_s: float = 0.0        # PSD: handing the other sub-batch to the worker and back
     t_verify_s: float = 0.0
-    t_prepare_s: float = 0.0          # the forward's attention metadata and input tensors
-    t_forward_s: float = 0.0          # the target's forward alone
+    t_prepare_s: float = 0.0          # the forward's inputs: token lists, layout, tensors
+    t_forward_s: float = 0.0          # the target's forward alone (its launch, on CUDA)
     t_decide_s: float = 0.0           # sampling and verification of drafts
     t_commit_s: float = 0.0           # appending tokens, stop rules, detokenizing, outputs
     t_step_s: float = 0.0

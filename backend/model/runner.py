@@ -10,6 +10,7 @@ which tokens; nothing else builds tensors for a forward.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self._meta: AttentionMetadata | None = None      # the last forward's, for advance()
         self.captured_forwards = 0
         self.eager_forwards = 0
+        self.last_prepare_s = 0.0      # the last forward's layout and input tensors
 
     @property
     def device(self) -> torch.device:
@@ -45,12 +47,15 @@ class ModelRunner:
         ``num_cached[b]`` tokens cached and feeds ``num_new[b]`` of the flat `input_ids`; rows at
         `logits_indices` (flat token indices; None: each sequence's last token). `lookahead`:
         tokens the following :meth:`advance` calls will feed per sequence."""
+        t0 = time.perf_counter()
         meta = self.model.prepare(self.kv, seq_ids, num_cached, num_new, lookahead)
         if logits_indices is None:
             idx = meta.last_token_indices
         else:
             idx = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        return self._run(torch.tensor(input_ids, dtype=torch.long, device=self.device), meta, idx)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        self.last_prepare_s = time.perf_counter() - t0
+        return self._run(ids, meta, idx)
 
     def advance(self, keep: list[int], tokens: list[int]) -> torch.Tensor:
         """The next position after the last forward: its sequences `keep` (row numbers) feed one
