@@ -39,22 +39,22 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
     if not logits.numel():
         return [None] * len(batch)
     # Rows the model made non-finite fail their request (checked before masking, which writes
-    # -inf on purpose). A row's sum is inf or NaN when any entry is: one reduction.
+    # -inf on purpose). A row's sum is inf or NaN when any entry is: one reduction. The flags and
+    # the greedy tokens reach the host together, in one transfer.
     finite = torch.isfinite(logits.sum(dim=-1))
-    finite = finite.tolist() if not bool(finite.all()) else None
     _mask_banned(batch, rows, logits, eos_token_ids)
+    finite, argmax = torch.stack((finite.long(), logits.argmax(dim=-1))).tolist()
     out: list = [None] * len(batch)
     todo = []
     for i, (first, n) in enumerate(rows):
         if not n:
             continue
-        if finite is not None and not all(finite[first:first + n]):
+        if not all(finite[first:first + n]):
             out[i] = FloatingPointError("the model produced non-finite logits")
         else:
             todo.append(i)
     greedy = [i for i in todo if batch[i].seq.params.greedy]
     if greedy:
-        argmax = logits.argmax(dim=-1).tolist()
         for i in greedy:
             first, n = rows[i]
             out[i] = verify_greedy(argmax[first:first + n], batch[i].drafts if batch[i].gamma else [])

@@ -13,12 +13,15 @@ batch; sizes of 1 are special to the compiler (it specialises on them), so the s
 sequence count, the block-table width and the logits rows to at least 2 (an empty sequence, a
 zero column, a repeated row: the kernel skips the first, never reads the second, and the third is
 dropped), leaving two graphs: one token, and more. Compiled code is cached on disk by inductor
-(``$TORCHINDUCTOR_CACHE_DIR``), so a restart traces again but does not recompile.
+(``$TORCHINDUCTOR_CACHE_DIR``, by default ``~/.cache/nightdraft/inductor``), so a restart traces
+again (seconds) but does not recompile.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -58,6 +61,13 @@ COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.In
 
 
 def _configure_compiler() -> None:
+    # Compiled code outlives the process here, not in /tmp (inductor's default), so that a
+    # restart (or the drafter worker a restart brings) loads it instead of compiling again.
+    # (Inductor sets the variable to its default on first use: replace that, not a user's choice.)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nightdraft" / "inductor")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     # Equal sizes (a block table two wide, a model two layers deep) must not become a guard that
     # two unrelated dimensions stay equal.
