@@ -121,7 +121,8 @@ def plain_eager_tokens(prompts):
         engine.close()
 
 
-@pytest.mark.parametrize("mode,extra", [("ar", {"drafter": None}), ("sd", {}), ("auto", {})])
+@pytest.mark.parametrize("mode,extra", [("ar", {"drafter": None}), ("sd", {}), ("auto", {}),
+                                        ("psd", {"drafter_device": "cpu"})])
 def test_compiled_engines_decode_what_plain_eager_decoding_does(prompts, plain_eager_tokens, mode, extra):
     """Greedy output of every mode with everything compiled (target and drafter) equals plain
     eager decoding token for token; the compiled steps did the decoding."""
@@ -129,9 +130,10 @@ def test_compiled_engines_decode_what_plain_eager_decoding_does(prompts, plain_e
     try:
         got = [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=3)]
         assert engine.runner.captured is not None and engine.runner.captured_forwards > 0
-        if mode != "ar":
+        if mode in ("sd", "auto"):       # (psd's drafter compiles in its worker process)
             drafter_runner = engine.drafter.drafter.runner
             assert drafter_runner.captured is not None and drafter_runner.captured_forwards > 0
+        if mode != "ar":
             assert engine.stats().drafted_tokens > 0
     finally:
         engine.close()
@@ -154,3 +156,24 @@ def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tok
     finally:
         engine.close()
     assert first == second == plain_eager_tokens[:3]
+
+
+def test_the_server_compiles_its_steps_and_decodes_what_plain_eager_decoding_does(tmp_path, prompts,
+                                                                                  plain_eager_tokens):
+    """Through a real tritonserver: the model compiles its drafter's step inside the backend stub
+    (an embedded interpreter whose locale the compiler once could not read its files in: the
+    model then loaded without it) and streams the same greedy text as plain eager decoding."""
+    from conftest import nightdraft_only_server, test_engine_config
+    from client.triton_client import GrpcClient
+    from backend.model.tokenizer import Tokenizer
+
+    config = test_engine_config() | {"compile": "auto", "attention": "paged", "mode": "sd"}
+    tokenizer = Tokenizer.from_pretrained(TINY_TARGET)
+    with nightdraft_only_server(tmp_path, config) as server:
+        client = GrpcClient(server.grpc_url)
+        texts = [client.generate(p, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True).text
+                 for p in prompts[:3]]
+        log = (tmp_path / "tritonserver.log").read_text()
+    assert "compiled the drafter's decode and verification step" in log, log[-3000:]
+    assert "could not compile" not in log
+    assert texts == [tokenizer.decode(ids) for ids in plain_eager_tokens[:3]]

@@ -18,6 +18,7 @@ again (seconds) but does not recompile.
 """
 from __future__ import annotations
 
+import locale
 import logging
 import os
 import time
@@ -60,7 +61,23 @@ RECOMPILE_LIMIT = 64
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 
 
+def _utf8_files() -> None:
+    """The compiler reads its own UTF-8 sources with Python's default encoding. An embedded
+    interpreter under a C locale (Triton's backend stub) gets ASCII there, where a standalone
+    python3 would have coerced the locale: coerce it the same way here."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+    log.warning("no UTF-8 locale to read the compiler's files with; compiling may fail")
+
+
 def _configure_compiler() -> None:
+    _utf8_files()
     # Compiled code outlives the process here, not in /tmp (inductor's default), so that a
     # restart (or the drafter worker a restart brings) loads it instead of compiling again.
     # (Inductor sets the variable to its default on first use: replace that, not a user's choice.)

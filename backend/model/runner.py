@@ -94,7 +94,14 @@ def capture_for(model: CausalLM, kv: PagedKVCache, setting: str, role: str,
                     "it runs op by op", setting, role, model.attention.name)
         return None
     step = CompiledStep(model, max_query_len)
-    seconds = step.warm_up(kv)
+    try:
+        seconds = step.warm_up(kv)
+    except COMPILE_ERRORS as e:
+        # A compiler that cannot run here (no C++ toolchain, an environment it cannot read its own
+        # files in) costs speed, never the model's load.
+        log.error("could not compile the %s's decode step (%s); it runs op by op",
+                  role, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
     log.info("compiled the %s's decode and verification step (up to %d tokens a sequence) in %.1f s",
-                role, max_query_len, seconds)
+             role, max_query_len, seconds)
     return step
