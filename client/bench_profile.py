@@ -44,6 +44,10 @@ def add_profile_parser(bench_sub) -> None:
                    help="requests per run = this x concurrency (at least 4)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--server", action="store_true", help="also through a real tritonserver")
+    p.add_argument("--server-client", choices=("python", "perf_analyzer"), default="python",
+                   help="what drives the server: gRPC streams from this process, or perf_analyzer (C++)")
+    p.add_argument("--pa-window-s", type=float, default=8.0,
+                   help="perf_analyzer: seconds per measurement window (it runs three)")
     p.add_argument("--json", default="bench-profile.json")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
     p.set_defaults(func=run_profile_cli)

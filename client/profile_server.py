@@ -1,26 +1,32 @@
 """`nightdraft bench profile --server`: the same load through a real tritonserver.
 
 For each configuration a server runs the same engine configuration (same checkpoints, one
-thread per model, the drafter's placement unchanged); the benchmark drives it with gRPC streams
-from this process, closed loop at each concurrency, and reads the model's own counters before and
-after: engine steps and generated tokens. Beside the in-process run of the same configuration
-and concurrency it reports the throughput ratio and the time per engine step, whose difference
-is what serving costs a step (building and sending one response per request, the stub's IPC,
-tritonserver and the clients on the same cores).
+thread per model, the drafter's placement unchanged) and is driven closed loop at each
+concurrency, by gRPC streams from this process (``--server-client python``, one channel per
+client thread) or by Triton's perf_analyzer (``--server-client perf_analyzer``: C++, light on the
+cores the server shares with it; ``scripts/perf_analyzer.sh``). The model's own counters, read
+before and after, give the engine steps and generated tokens. Beside the in-process run of the
+same configuration and concurrency it reports the throughput ratio and the time per engine step,
+whose difference is what serving costs a step (building and sending one response per request,
+the stub's IPC, tritonserver and the client on the same cores).
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from client.bench_serve import scrape_metrics
 from client.dynamic_server import MODEL, serving
 
 
 def engine_config(args, name: str) -> dict:
+    from client.bench_offline import executor_args
     cfg = dict(target=args.target, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20,
-               max_num_seqs=128, num_threads=args.threads or 1, seed=0, mode=name)
+               max_num_seqs=128, num_threads=args.threads or 1, seed=0, mode=name, **executor_args(args))
     if name != "ar":
         cfg |= {"drafter": args.drafter, "gamma": args.gamma}
     if name == "psd":
@@ -40,6 +46,21 @@ def _drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
     return time.perf_counter() - t0, len(prompts) * args.max_tokens
 
 
+def _drive_perf_analyzer(grpc_url: str, conc: int, args) -> float:
+    """perf_analyzer at `conc` streams for three windows of ``--pa-window-s``; returns the wall
+    time it ran (the caller reads the tokens from the server's counters around it)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "perf_analyzer.sh"
+    out = Path(args.json).with_suffix(f".pa-c{conc}.json")
+    cmd = [str(script), "-u", grpc_url, "-m", MODEL, "-c", str(conc), "-n", str(args.max_tokens),
+           "-t", str(args.temperature), "-o", str(out), "--",
+           "--measurement-interval", str(int(1000 * args.pa_window_s)), "--stability-percentage", "999"]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
+    if res.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[-1500:]}")
+    return time.perf_counter() - t0
+
+
 def profile_on_server(args, names: list[str], levels: list[int], prompts: list[str],
                       in_process: list[dict]) -> list[dict]:
     rows = []
@@ -49,7 +70,10 @@ def profile_on_server(args, names: list[str], levels: list[int], prompts: list[s
             for conc in levels:
                 n = max(4, int(conc * args.requests_per_level))
                 before = scrape_metrics(served.metrics_url, MODEL)
-                wall, tokens = _drive(served.client, prompts[:n], conc, args)
+                if args.server_client == "perf_analyzer":
+                    wall, tokens = _drive_perf_analyzer(served.client.url, conc, args), 0
+                else:
+                    wall, tokens = _drive(served.client, prompts[:n], conc, args)
                 time.sleep(0.5)        # the engine-wide counters are refreshed when it goes idle
                 after = scrape_metrics(served.metrics_url, MODEL)
                 steps = after.get("nightdraft_engine_steps_total", 0) - before.get("nightdraft_engine_steps_total", 0)
@@ -57,7 +81,7 @@ def profile_on_server(args, names: list[str], levels: list[int], prompts: list[s
                     before.get("nightdraft_generation_tokens_total", 0)
                 local = next((r for r in in_process if r["config"] == name and r["concurrency"] == conc
                               and not r.get("server")), {})
-                row = {"config": name, "concurrency": conc, "server": True,
+                row = {"config": name, "concurrency": conc, "server": True, "client": args.server_client,
                        "tokens_per_s": (made or tokens) / wall,
                        "mean_step_ms": 1e3 * wall / steps if steps else None}
                 if local.get("tokens_per_s"):

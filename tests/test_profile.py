@@ -70,3 +70,21 @@ def test_bench_profile_reports_every_phase_beside_its_floor(tmp_path):
     assert all(r["drafter_step_over_floor"] > 1.0 for r in rows if r["config"] == "sd")
     assert out.with_suffix(".png").is_file()
     assert "| ar | 1 |" in res.stdout
+
+
+@pytest.mark.slow
+def test_bench_profile_drives_the_server_with_perf_analyzer(tmp_path):
+    """--server-client perf_analyzer: the C++ load generator drives a real tritonserver and the
+    throughput comes from the model's own token counters around its run."""
+    import subprocess
+    import sys
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "client.cli", "bench", "profile", "--configs", "ar", "--concurrency", "2",
+           "--max-tokens", "8", "--requests-per-level", "2", "--server", "--server-client", "perf_analyzer",
+           "--pa-window-s", "1", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    served = [r for r in json.loads(out.read_text())["rows"] if r.get("server")]
+    assert len(served) == 1 and served[0]["client"] == "perf_analyzer"
+    assert served[0]["tokens_per_s"] > 0 and served[0]["mean_step_ms"] > 0
+    assert out.with_suffix(".pa-c2.json").is_file(), "perf_analyzer's own export is kept beside the result"
