@@ -41,6 +41,11 @@ class Sequence:
     spec_disabled: bool = False        # the drafter could not serve this request: decode plainly
     prompt_bytes: int = 0              # size of the prompt text (queue budget)
     cumulative_logprob: float = 0.0    # of the tokens generated so far (when it asks for logprobs)
+    # When it asks for prompt_logprobs: None for the first prompt token, then each prompt token's
+    # (filled in as prefill chunks run); handed out once, with its first output.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+    grammar: object | None = None      # structured outputs: its matcher (backend.sampling.grammar)
 
     @property
     def speculates(self) -> bool:

@@ -5,13 +5,18 @@ Rules (vLLM's): until `min_tokens` tokens are out, EOS (unless `ignore_eos`) and
 `stop_token_ids` are masked out of the distribution and stop strings are not looked for. A stop
 string is looked for only where it would end in the text the newest token added, so a stop
 string that `min_tokens` let through earlier never triggers later; the text is cut where the
-stop string begins. While a request runs, the last `len(longest stop string) - 1` characters
-are held back: they may turn out to be the start of a stop string.
+stop string begins (where it ends, with `include_stop_str_in_output`). While a request runs,
+the last `len(longest stop string) - 1` characters are held back: they may turn out to be the
+start of a stop string that is cut off.
 """
 from __future__ import annotations
 
+import logging
+
 from backend.batching.sequence import Sequence
 from backend.engine.outputs import RequestOutput, TokenLogprob
+
+log = logging.getLogger("nightdraft.engine")
 
 
 def commit_tokens(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ...],
@@ -26,6 +31,8 @@ def commit_tokens(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ..
         before = len(seq.detokenizer.text)
         seq.detokenizer.push([tok])
         reason = stop_reason(seq, tok, len(seq.detokenizer.text) - before, eos_token_ids, max_model_len)
+        if seq.grammar is not None and not reason:
+            reason = _advance_grammar(seq, tok)
         if reason:
             break
     return committed, reason
@@ -50,10 +57,11 @@ def stop_reason(seq: Sequence, token: int, new_chars: int, eos_token_ids: tuple[
             return "stop"
         if p.stop and new_chars:
             text = seq.detokenizer.text
-            hits = [i for i in (text.find(s, max(0, len(text) - new_chars - len(s) + 1))
-                                for s in p.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((text.find(s, max(0, len(text) - new_chars - len(s) + 1)), s)
+                                        for s in p.stop) if i >= 0]
             if hits:
-                seq.stop_text_at = min(hits)
+                at, s = min(hits, key=lambda h: h[0])
+                seq.stop_text_at = at + len(s) if p.include_stop_str_in_output else at
                 return "stop"
     if seq.num_output_tokens >= p.max_tokens or len(seq) >= max_model_len:
         return "length"
@@ -65,7 +73,9 @@ def visible_end(seq: Sequence) -> int:
     text_len = len(seq.detokenizer.text)
     if seq.is_finished:
         return seq.stop_text_at if seq.stop_text_at is not None else text_len
-    hold = max(map(len, seq.params.stop)) - 1 if seq.params.stop else 0
+    p = seq.params
+    # (A stop string kept in the output needs no holding back: what precedes its end is output.)
+    hold = max(map(len, p.stop)) - 1 if p.stop and not p.include_stop_str_in_output else 0
     return max(seq.emitted_text_len, text_len - hold)
 
 
@@ -84,6 +94,28 @@ def output_of(seq: Sequence, new_ids: list[int], error: str | None = None,
         num_drafted=seq.drafted, num_accepted=seq.accepted, error=error,
         logprobs=logprobs if seq.params.logprobs is not None else None,
         cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+        prompt_logprobs=_prompt_logprobs_once(seq),
         **({"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
             "finish_time": seq.finish_time} if seq.is_finished else {}),
     )
+
+
+def _prompt_logprobs_once(seq: Sequence) -> list | None:
+    """The prompt's logprobs, on the request's first output (they are complete by then: its
+    prefill has run)."""
+    if (seq.prompt_logprobs is None or seq.prompt_logprobs_sent
+            or len(seq.prompt_logprobs) < seq.num_prompt_tokens):     # (a request ended before them)
+        return None
+    seq.prompt_logprobs_sent = True
+    return seq.prompt_logprobs
+
+
+def _advance_grammar(seq: Sequence, token: int) -> str | None:
+    """Structured outputs: the grammar follows the committed token. It ends the request where it
+    has taken a stop token (also one that ignore_eos lets through: nothing may follow it)."""
+    if not seq.grammar.accept(token):
+        # Masks allow only what the grammar accepts: a bug, not the client's doing. The request
+        # ends (its output would no longer follow the grammar); the step goes on.
+        log.error("request %s: the grammar refused token %d, which its mask allowed", seq.request_id, token)
+        return "error"
+    return "stop" if seq.grammar.terminated else None

@@ -33,7 +33,7 @@ from backend.engine.intake import Intake, Limits, context_limit
 from backend.engine.memory import ElasticMemory
 from backend.engine.offline import Completion, generate
 from backend.engine.outputs import EngineStats, RequestOutput, StepStats
-from backend.engine.verify import decide
+from backend.engine.verify import decide, score_prompts
 from backend.model.kv_cache import PagedKVCache
 from backend.model.linear import pack_linears
 from backend.model.loader import load_model
@@ -283,7 +283,8 @@ class Engine:
         return outputs
 
     def _forward(self, batch: list[ScheduledSeq], step: StepStats):
-        """One forward over every scheduled sequence; logits only where tokens are decided.
+        """One forward over every scheduled sequence; logits only where tokens are decided (and
+        at the prompt positions of requests that ask for prompt_logprobs, which are scored here).
         (On CUDA the forward is asynchronous: t_forward_s times its launch, and the wait for it
         falls into verification, which reads the logits.)"""
         t0 = time.perf_counter()
@@ -291,6 +292,8 @@ class Engine:
         num_new: list[int] = []
         rows: list[tuple[int, int]] = []     # per scheduled seq: (first logits row, row count)
         logits_indices: list[int] = []
+        scored: list[tuple[Sequence, int, int]] = []   # (seq, first prompt position, count)
+        scored_indices: list[int] = []
         for s in batch:
             seq = s.seq
             fed = seq.token_ids[seq.num_computed:seq.num_computed + s.num_new]
@@ -304,14 +307,26 @@ class Engine:
                 logits_indices += range(start + len(fed) - s.gamma - 1, start + len(fed))
             else:
                 rows.append((len(logits_indices), 0))
+            if seq.prompt_logprobs is not None:
+                # Positions p whose next token is a prompt token not scored yet (a preempted
+                # request's recompute scores nothing twice).
+                first = max(seq.num_computed, len(seq.prompt_logprobs) - 1)
+                end = min(seq.num_computed + s.num_new, seq.num_prompt_tokens - 1)
+                if end > first:
+                    scored.append((seq, first, end - first))
+                    scored_indices += range(start + first - seq.num_computed, start + end - seq.num_computed)
         t1 = time.perf_counter()
         cached = [s.seq.num_computed for s in batch]
-        logits = self.runner.forward([s.seq.request_id for s in batch], cached, num_new, input_ids, logits_indices)
+        logits = self.runner.forward([s.seq.request_id for s in batch], cached, num_new, input_ids,
+                                     logits_indices + scored_indices)
         prepare = t1 - t0 + self.runner.last_prepare_s
         step.t_prepare_s += prepare
         step.t_forward_s += time.perf_counter() - t0 - prepare
         step.num_forward_tokens += len(input_ids)
         step.num_context_tokens += sum(cached) + len(input_ids)
+        if scored:
+            score_prompts(scored, logits[len(logits_indices):])
+            logits = logits[:len(logits_indices)]
         return logits, rows
 
     def _commit(self, s: ScheduledSeq, decided, step: StepStats) -> RequestOutput | None:

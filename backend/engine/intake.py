@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from backend.engine.config import ConfigError
 from backend.errors import InvalidRequest, ServerBusy
 from backend.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from backend.sampling.params import SamplingParams
+from backend.sampling.processors import bad_words_token_ids
 from backend.sampling.sampler import make_generator
 
 log = logging.getLogger("nightdraft.engine")
@@ -60,6 +61,8 @@ class Intake:
         self._live: set[str] = set()          # ids accepted and not yet finished
         self._queued: dict[str, int] = {}     # ids accepted and not yet running -> prompt bytes
         self._queued_bytes = 0
+        self._grammars = None                 # compiles structured outputs (on first use)
+        self._grammars_lock = threading.Lock()
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Validate and tokenize a request (InvalidRequest says what is wrong)."""
@@ -81,12 +84,18 @@ class Intake:
             if bad:
                 raise InvalidRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})")
             num_bytes = 4 * len(prompt_ids)
+        prompt_ids = self._truncate(prompt_ids, params.truncate_prompt_tokens)
         self._check(prompt_ids, params)
+        params = self._for_model(params)
         return Sequence(
             request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
-            params=params, detokenizer=IncrementalDetokenizer(self.tokenizer),
+            params=params, detokenizer=IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens),
             generator=None if params.greedy else make_generator(params.seed, self.device),
             prompt_bytes=num_bytes,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            grammar=self._grammar(params),
         )
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -101,6 +110,38 @@ class Intake:
         bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})")
+        vocab = self.limits.vocab_size
+        for key, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                         ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequest(f"{key}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def _truncate(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens, as vLLM does it: the last `keep` tokens (-1: as many as the
+        context holds), special tokens included."""
+        if keep is None:
+            return prompt_ids
+        keep = self.limits.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:]
+
+    def _grammar(self, params: SamplingParams):
+        """A matcher of the request's structured output (its grammar compiled once per form and
+        cached); InvalidRequest when it does not compile."""
+        if params.structured_outputs is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                from backend.sampling.grammar import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
+        return self._grammars.matcher(params.structured_outputs)
+
+    def _for_model(self, params: SamplingParams) -> SamplingParams:
+        """What needs the tokenizer: the bad words as token ids."""
+        if not params.bad_words:
+            return params
+        ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode_plain, self.limits.vocab_size)
+        return replace(params, bad_words_token_ids=ids)
 
     def enqueue(self, seq: Sequence) -> None:
         """Admit a prepared request. ServerBusy when the queue is full."""

@@ -21,6 +21,7 @@ class Completion:
     accepted: int
     latency_s: float = 0.0         # arrival to finish
     ttft_s: float = 0.0            # arrival to first token
+    prompt_logprobs: list | None = None    # when the request asked for them
 
 
 def generate(engine, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams],
@@ -48,6 +49,8 @@ def generate(engine, prompts: Iterable[str | list[int]], params: SamplingParams 
                 continue
             c.output_ids += o.new_token_ids
             c.text += o.new_text
+            if o.prompt_logprobs is not None:
+                c.prompt_logprobs = o.prompt_logprobs
             if o.finished:
                 c.finish_reason, c.drafted, c.accepted = o.finish_reason, o.num_drafted, o.num_accepted
                 c.latency_s = o.finish_time - o.arrival_time

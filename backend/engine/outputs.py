@@ -32,6 +32,8 @@ class RequestOutput:
     error: str | None = None              # set with finish_reason == "error"
     logprobs: list[TokenLogprob] | None = None   # per new token, when the request asked
     cumulative_logprob: float | None = None      # over every token so far, when it asked
+    # The prompt's tokens under the target (None for the first), when it asked: on its first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -1,15 +1,18 @@
 """Verify: from one forward's logits to the tokens each sequence commits this step.
 
 Tokens a request may not produce yet (EOS and stop tokens before ``min_tokens``) are masked
-first; greedy requests take the argmax, sampled ones draw from their processed distribution, and
-drafts are accepted exactly (:mod:`backend.sampling.verification`), all sampled requests of a
-step in one batch. Each request's decision stands alone: one whose logits are not finite, or
-whose sampling raises, gets its exception back instead of tokens, and the others are decided as
-if it were not there.
+first, then what its grammar forbids (structured outputs) and what its logits processors do
+(penalties, biases, bans: :mod:`backend.sampling.processors`), at every row: the row after k
+drafts as plain decoding would see it had those drafts been committed. Greedy requests take
+the argmax, sampled ones draw from their processed distribution, and drafts are accepted
+exactly (:mod:`backend.sampling.verification`), all sampled requests of a step in one batch.
+Each request's decision stands alone: one whose logits are not finite, or whose sampling
+raises, gets its exception back instead of tokens, and the others are decided as if it were not
+there.
 
 A request that asks for logprobs gets them from the target's rows that decided its tokens, also
 for drafts it accepted (speculation does not change them): the processed distribution it sampled
-from, or, for a greedy request, the log-softmax of its (masked) logits.
+from, or, for a greedy request, the log-softmax of its (masked, processed) logits.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 from backend.batching.scheduler import ScheduledSeq
 from backend.engine.commit import banned_tokens
 from backend.engine.outputs import TokenLogprob
+from backend.sampling.processors import Context, Row, process_logits
 from backend.sampling.sampler import processed_probs
 from backend.sampling.verification import verify_greedy, verify_sampled
 
@@ -43,15 +47,25 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
     # the greedy tokens reach the host together, in one transfer.
     finite = torch.isfinite(logits.sum(dim=-1))
     _mask_banned(batch, rows, logits, eos_token_ids)
-    finite, argmax = torch.stack((finite.long(), logits.argmax(dim=-1))).tolist()
     out: list = [None] * len(batch)
+    _mask_grammar(batch, rows, logits, out)
+    _process(batch, rows, logits, out)
+    # After the masks, a row must leave some token possible (a grammar, allowed_token_ids,
+    # bad_words and min_tokens together can ban every one).
+    possible = torch.isfinite(logits.amax(dim=-1))
+    finite, possible, argmax = torch.stack((finite.long(), possible.long(), logits.argmax(dim=-1))).tolist()
     todo = []
     for i, (first, n) in enumerate(rows):
-        if not n:
+        if not n or out[i] is not None:
             continue
         if not all(finite[first:first + n]):
             out[i] = FloatingPointError("the model produced non-finite logits")
+        elif not possible[first]:
+            out[i] = ValueError("no token is allowed at this position: structured_outputs, "
+                                "allowed_token_ids, bad_words and min_tokens together exclude every token")
         else:
+            if not all(possible[first:first + n]):
+                _stop_drafts_before(batch[i], rows, i, possible[first:first + n].index(0))
             todo.append(i)
     greedy = [i for i in todo if batch[i].seq.params.greedy]
     if greedy:
@@ -137,3 +151,86 @@ def _mask_banned(batch, rows: Rows, logits: torch.Tensor, eos: tuple[int, ...]) 
     if cells_r:
         logits[torch.tensor(cells_r, device=logits.device),
                torch.tensor(cells_t, device=logits.device)] = float("-inf")
+
+
+def _process(batch, rows: Rows, logits: torch.Tensor, out: list) -> None:
+    """The logits processors (penalties, biases, bans) of the requests that ask for them, at
+    each of their rows: row j of a request sees its output followed by its first j drafts, as
+    plain decoding would had they been committed. A request whose processing fails fails alone
+    (its exception in `out`)."""
+    todo = [i for i, (s, (_, n)) in enumerate(zip(batch, rows)) if n and s.seq.params.processes_logits]
+    if not todo:
+        return
+    try:
+        _process_rows(batch, rows, logits, todo)
+    except Exception:  # noqa: BLE001 - isolate the request at fault
+        for i in todo:
+            try:
+                _process_rows(batch, rows, logits, [i])
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+
+
+def _process_rows(batch, rows: Rows, logits: torch.Tensor, which: list[int]) -> None:
+    contexts, row_ids, procs = [], [], []
+    for i in which:
+        s = batch[i]
+        first, n = rows[i]
+        drafts = s.drafts if s.gamma and s.drafts else []
+        contexts.append(Context(s.seq.params, s.seq.token_ids, s.seq.num_prompt_tokens))
+        for j in range(n):
+            row_ids.append(first + j)
+            procs.append(Row(len(contexts) - 1, drafts[:j]))
+    process_logits(logits, row_ids, contexts, procs)
+
+
+def _stop_drafts_before(s: ScheduledSeq, rows: Rows, i: int, j: int) -> None:
+    """Row j (after drafts d_1..d_j) allows no token: plain decoding would fail the request
+    there, one step after committing d_j. Verify only the drafts before d_j, so this step
+    commits at most d_1..d_j and the next step meets the empty row (and fails) as plain decoding
+    does."""
+    keep = j - 1
+    s.drafts = s.drafts[:keep]
+    s.draft_probs = None if s.draft_probs is None else s.draft_probs[:keep]
+    s.gamma = keep
+    rows[i] = (rows[i][0], keep + 1)
+
+
+def score_prompts(scored: list, logits: torch.Tensor) -> None:
+    """prompt_logprobs: ``scored`` lists (sequence, first position, count); `logits` holds those
+    positions' rows in that order. Position p scores prompt token p + 1 under the target's own
+    distribution (its log-softmax: no sampling parameter applies to a prompt), as vLLM does."""
+    row = 0
+    for seq, first, n in scored:
+        tokens = seq.token_ids[first + 1:first + 1 + n]
+        seq.prompt_logprobs += _logprobs(logits[row:row + n], None, tokens, seq.params.prompt_logprobs)
+        row += n
+
+
+def _mask_grammar(batch, rows: Rows, logits: torch.Tensor, out: list) -> None:
+    """Structured outputs: every row of a constrained request gets its grammar's mask (the row
+    after each draft, from the matcher with that draft accepted: the bonus row too). Drafts from
+    the first one the grammar refuses on are not verified (their target probability is 0, so they
+    could not be accepted): the request keeps the drafts before it and one more row to sample."""
+    todo = [i for i, (s, (_, n)) in enumerate(zip(batch, rows)) if n and s.seq.grammar is not None]
+    if not todo:
+        return
+    from backend.sampling.grammar import allocate_bitmask, allowed_tokens
+    vocab = logits.shape[1]
+    bitmask = allocate_bitmask(sum(rows[i][1] for i in todo), vocab)
+    row_ids: list[int] = []
+    for i in todo:
+        s = batch[i]
+        first, n = rows[i]
+        try:
+            filled = s.seq.grammar.fill_rows(s.drafts if s.gamma and s.drafts else [], bitmask, len(row_ids))
+        except Exception as e:  # noqa: BLE001 - this request's grammar alone
+            out[i] = e
+            continue
+        if filled < n:
+            _stop_drafts_before(s, rows, i, filled)
+        row_ids += range(first, first + filled)
+    if row_ids:
+        allowed = allowed_tokens(bitmask[:len(row_ids)], vocab).to(logits.device)
+        idx = torch.as_tensor(row_ids, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))

@@ -63,6 +63,7 @@ def _r(why: str, neutral: Callable[[Any], bool] = _OFF) -> Arg:
 
 
 _LOGGING = "logging and tracing of vLLM's own engine; nightdraft logs through Triton and exports metrics"
+_STRUCTURED = "structured outputs are always compiled with xgrammar (docs/structured-outputs.md)"
 _PERF = "a performance setting of vLLM's executor; outputs do not depend on it"
 _MM = "multimodal input; nightdraft serves text models (a multimodal architecture is refused by the loader)"
 _LORA = "LoRA adapters; used only with enable_lora, which is refused"
@@ -213,12 +214,11 @@ ARGS: dict[str, Arg] = {
     "show_hidden_metrics_for_version": _i(_LOGGING, _ANY),
     "otlp_traces_endpoint": _i(_LOGGING),
     "collect_detailed_traces": _i(_LOGGING),
-    "structured_outputs_config": _i("structured outputs are not implemented; a request that asks for "
-                                    "them is refused by name", _ANY),
-    "guided_decoding_backend": _i("structured outputs are not implemented (see structured_outputs_config)", _ANY),
-    "guided_decoding_disable_fallback": _i("structured outputs are not implemented", _ANY),
-    "guided_decoding_disable_any_whitespace": _i("structured outputs are not implemented", _ANY),
-    "guided_decoding_disable_additional_properties": _i("structured outputs are not implemented", _ANY),
+    "structured_outputs_config": _i(_STRUCTURED, _ANY),
+    "guided_decoding_backend": _i(_STRUCTURED, _ANY),
+    "guided_decoding_disable_fallback": _i(_STRUCTURED, _ANY),
+    "guided_decoding_disable_any_whitespace": _i(_STRUCTURED + "; a request sets disable_any_whitespace", _ANY),
+    "guided_decoding_disable_additional_properties": _i(_STRUCTURED, _ANY),
     "reasoning_parser": _i("reasoning parsing belongs to an OpenAI-compatible front end", _ANY),
     "logits_processor_pattern": _i("custom logits processors are not run; the pattern only allows them"),
     "pooler_config": _i(_POOLING),

@@ -72,6 +72,15 @@ class Tokenizer:
         # thread of the server); encode_batch releases it.
         return self._tok.encode_batch([text], add_special_tokens=True)[0].ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The ids of `text` alone, without the special tokens the tokenizer adds to prompts."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Added tokens (special or not) by id: their text."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """UTF-8 bytes of the longest token: text of n bytes holds at least n / this tokens."""
@@ -93,10 +102,19 @@ class IncrementalDetokenizer:
     A byte-level BPE token can end in the middle of a multi-byte character; decoding it alone
     gives U+FFFD. We only emit text once the tail decodes cleanly, and we decode a short window
     (from the last clean boundary) rather than the whole output every step.
+
+    `skip_special_tokens` (vLLM's default True) leaves special tokens out of the text.
+    `spaces_between_special_tokens` False (with special tokens kept) spells an added token that
+    follows another added token as its bare text, as vLLM's fast detokenizer does, so no space a
+    decoder puts before it appears between the two.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._added = {} if skip_special_tokens or spaces_between_special_tokens else tokenizer.added_tokens
+        self._last_added = False
         self._ids: list[int] = []
         self._prefix = 0   # start of the decode window (a clean boundary)
         self._read = 0     # ids before this are already reflected in self.text
@@ -104,9 +122,28 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly decodable text."""
+        if not self._added:
+            return self._push(new_ids, final)
+        start = len(self.text)
+        for tok in new_ids:
+            added = tok in self._added
+            if added and self._last_added:
+                self._push([], final=True)            # flush what precedes it
+                self._ids.append(tok)
+                self.text += self._added[tok]
+                # The window restarts at this token, so what follows decodes in its context.
+                self._prefix, self._read = len(self._ids) - 1, len(self._ids)
+            else:
+                self._push([tok], final)
+            self._last_added = added
+        if not new_ids:
+            self._push([], final)
+        return self.text[start:]
+
+    def _push(self, new_ids: list[int], final: bool) -> str:
         self._ids.extend(new_ids)
-        window = self._tok.decode(self._ids[self._prefix:])
-        done = self._tok.decode(self._ids[self._prefix:self._read])
+        window = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
         if len(window) <= len(done) or (window.endswith("\ufffd") and not final):
             return ""
         delta = window[len(done):]

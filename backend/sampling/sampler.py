@@ -2,7 +2,8 @@
 
 The same `processed_probs` defines the distribution for plain sampling, for the drafter's
 proposals and for the target side of verification: rejection sampling is exact only if all three
-agree on temperature, top-k and top-p.
+agree on temperature, min_p, top-k and top-p (and on the logits processors before them:
+:mod:`backend.sampling.processors`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+
+    min_ps = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_ps):
+        # vLLM's min_p: after temperature, tokens less likely than min_p times the most likely
+        # one are dropped (greedy rows are unaffected: they take the argmax below).
+        scaled_probs = torch.softmax(scaled, dim=-1)
+        floor = scaled_probs.amax(dim=-1, keepdim=True) * torch.tensor(min_ps, dtype=torch.float32,
+                                                                         device=logits.device).unsqueeze(1)
+        scaled = scaled.masked_fill(scaled_probs < floor, float("-inf"))
 
     top_ks = [p.top_k for p in params]
     if any(0 < k < vocab for k in top_ks):

@@ -62,7 +62,8 @@ def coalesce(outputs: list[RequestOutput]) -> list[tuple[RequestOutput, int]]:
         logprobs = None if prev.logprobs is None and o.logprobs is None else \
             (prev.logprobs or []) + (o.logprobs or [])
         out[k] = (replace(o, new_token_ids=prev.new_token_ids + o.new_token_ids,
-                          new_text=prev.new_text + o.new_text, logprobs=logprobs), first)
+                          new_text=prev.new_text + o.new_text, logprobs=logprobs,
+                          prompt_logprobs=prev.prompt_logprobs or o.prompt_logprobs), first)
     return out
 
 

@@ -2,17 +2,19 @@
 
 Inputs: ``text_input`` (required), ``stream``, ``sampling_parameters`` (JSON; numbers may be
 strings), ``exclude_input_in_output``, ``return_finish_reason``, ``return_cumulative_logprob``,
-``return_logprobs``, ``return_num_input_tokens``, ``return_num_output_tokens``, ``max_tokens``;
-``ignore_eos`` and ``min_tokens`` as tensors too (genai-perf's ``--extra-inputs``). Request
-parameters (``/generate``'s ``"parameters"``) are read as well: ``sampling_parameters`` wins over
-them and the tensor inputs win over both.
+``return_logprobs``, ``return_prompt_logprobs``, ``return_num_input_tokens``,
+``return_num_output_tokens``, ``max_tokens``; ``ignore_eos`` and ``min_tokens`` as tensors too
+(genai-perf's ``--extra-inputs``). Request parameters (``/generate``'s ``"parameters"``) are read
+as well: ``sampling_parameters`` wins over them and the tensor inputs win over both.
 
 Outputs: ``text_output`` (a UTF-8-safe delta per streamed response; the whole text otherwise,
 after the prompt unless ``exclude_input_in_output``), ``finish_reason`` (``None`` on non-final
 responses), ``cumulative_logprob`` (FP32, the sum over the tokens so far), ``logprobs`` (JSON: per
 token of the response, {token id: {logprob, rank, decoded_token}} for the generated token and the
 ``logprobs`` most likely ones; ``null`` unless ``sampling_parameters`` has ``logprobs``),
-``num_input_tokens``, ``num_output_tokens`` (per response when streaming).
+``prompt_logprobs`` (JSON, on the first response: ``null`` for the first prompt token, then each
+prompt token in the ``logprobs`` format; ``null`` unless ``sampling_parameters`` has
+``prompt_logprobs``), ``num_input_tokens``, ``num_output_tokens`` (per response when streaming).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from backend.values import to_bool
 SAMPLING_TENSORS = ("ignore_eos", "min_tokens")
 # Keys of request parameters / sampling_parameters that are request options, not sampling knobs.
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
-         "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
+         "return_logprobs", "return_prompt_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # The vLLM backend's wording: clients match on it.
 STREAM_WITH_PROMPT = "When streaming, `exclude_input_in_output` = False is not allowed."
 
@@ -70,6 +72,8 @@ class TextRequest(ServedRequest):
         self.return_cumulative_logprob = opts.get("return_cumulative_logprob", False)
         self.return_logprobs = opts.get("return_logprobs", False)
         self.logprobs_asked = params.logprobs is not None
+        self.return_prompt_logprobs = opts.get("return_prompt_logprobs", False)
+        self._prompt_logprobs = None    # the prompt's, until the response that carries them
         if self.return_cumulative_logprob and not self.logprobs_asked:
             params = replace(params, logprobs=0)   # the engine tracks the sum only when asked
         self.params = params
@@ -83,6 +87,7 @@ class TextRequest(ServedRequest):
 
     def partial_response(self, out: RequestOutput) -> Any | None:
         self._logprobs += out.logprobs or []
+        self._prompt_logprobs = self._prompt_logprobs or out.prompt_logprobs
         if not self.stream:
             self._text.append(out.new_text)
             return None
@@ -93,6 +98,7 @@ class TextRequest(ServedRequest):
 
     def final_response(self, out: RequestOutput) -> Any:
         self._logprobs += out.logprobs or []
+        self._prompt_logprobs = self._prompt_logprobs or out.prompt_logprobs
         if self.stream:
             self._pending_ids += len(out.new_token_ids)
             return self._delta_response(out)
@@ -118,6 +124,12 @@ class TextRequest(ServedRequest):
         if self.return_logprobs:
             tensors.append(self.tensor("logprobs", _strings(json.dumps(
                 [self._entry(t) for t in self._logprobs] if self.logprobs_asked else None))))
+        if self.return_prompt_logprobs:
+            # On the first response (then null): null for the first prompt token, then each
+            # prompt token in the logprobs format; null throughout without prompt_logprobs.
+            sent, self._prompt_logprobs = self._prompt_logprobs, None
+            tensors.append(self.tensor("prompt_logprobs", _strings(json.dumps(
+                None if sent is None else [None if t is None else self._entry(t) for t in sent]))))
         if self.return_num_input_tokens:
             tensors.append(self.tensor("num_input_tokens", np.array([self.num_prompt_tokens], dtype=np.uint32)))
         if self.return_num_output_tokens:

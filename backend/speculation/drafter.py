@@ -25,6 +25,8 @@ from backend.model.linear import drop_packed, pack_linears
 from backend.model.loader import load_model
 from backend.model.llama import CausalLM
 from backend.model.runner import ModelRunner, capture_for
+from backend.sampling.grammar import GrammarCompiler, Matcher, mask_rows
+from backend.sampling.processors import Context, Row, process_logits
 from backend.sampling.sampler import make_generator, processed_probs
 from backend.sampling.verification import check_drawn, draw_uniforms, sample_rows
 from backend.sampling.params import SamplingParams
@@ -38,6 +40,8 @@ class _SeqState:
     kv_len: int = 0                # tokens whose K/V are cached (may include a speculative tail)
     spec_tail: list[int] = field(default_factory=list)   # cached drafts not yet confirmed
     generator: torch.Generator | None = None
+    num_prompt: int = 0            # tokens[:num_prompt] are the prompt (for the penalties)
+    grammar: Matcher | None = None   # structured outputs: where the committed tokens took it
 
 
 class Drafter:
@@ -59,6 +63,8 @@ class Drafter:
         self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
         self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
         self._ahead: dict[str, PreDraft] = {}     # seq id -> its pre-drafted next round
+        self.tokenizer_path: str | None = None    # for structured outputs (Drafter.load sets it)
+        self._grammars: GrammarCompiler | None = None
         self.ahead_stats = AheadStats()
 
     @property
@@ -88,6 +94,7 @@ class Drafter:
             runner = ModelRunner(model, kv, capture_for(model, kv, compile, "drafter", max_query_len))
             drafter = cls(model, kv, seed=seed, runner=runner)
             drafter._pack = pack
+            drafter.tokenizer_path = path
             return drafter
         model = load_model(path, device="cpu", dtype=dtype, attention=attention)
         for module in model.modules():      # buffers (rope table) live on the device regardless
@@ -99,6 +106,7 @@ class Drafter:
         drafter = cls(model, kv, seed=seed)
         drafter.device = torch.device(device)
         drafter._pack = pack
+        drafter.tokenizer_path = path
         drafter.offload()
         return drafter
 
@@ -214,7 +222,8 @@ class Drafter:
             except Exception as e:  # noqa: BLE001 - this request's own state; isolate it
                 self._forget(req, proposals, i, e)
                 continue
-            if req.gamma > 0 and self.kv.ensure_capacity(req.seq_id, len(st.tokens) + req.gamma - 1):
+            done = st.grammar is not None and st.grammar.terminated     # nothing may follow
+            if req.gamma > 0 and not done and self.kv.ensure_capacity(req.seq_id, len(st.tokens) + req.gamma - 1):
                 active.append(i)
             # else: no room in the drafter's cache; this sequence simply isn't speculated on.
         self._draft_isolated(requests, active, proposals, t0)
@@ -250,7 +259,9 @@ class Drafter:
         for req, p in zip(requests, proposals):
             st = self._seqs.get(req.seq_id)
             g = req.gamma
-            if (not req.ahead or st is None or p.error or p.resync or g == 0 or len(p.tokens) != g
+            # (Not under a grammar: the bet would have to take its matcher along and back.)
+            if (not req.ahead or st is None or st.grammar is not None or p.error or p.resync or g == 0
+                    or len(p.tokens) != g
                     or st.kv_len != len(st.tokens) + g - 1
                     or len(st.tokens) + 2 * g + 1 > self.model.config.max_position_embeddings
                     or not self.kv.ensure_capacity(req.seq_id, len(st.tokens) + 2 * g)):
@@ -316,35 +327,49 @@ class Drafter:
         step = 0
         rows: list[int] = []            # the previous forward's row of each active sequence
         dists: dict[int, list[torch.Tensor]] = {}     # a sampled request's draft distributions
-        while active and not (step and should_stop is not None and should_stop()):
-            seq_ids = [requests[i].seq_id for i in active]
-            states = [self._seqs[s] for s in seq_ids]
-            num_new = [len(feed[i]) for i in active]
-            if step == 0:      # the catch-up tails; then one draft a position, the layout advanced
-                lookahead = max(requests[i].gamma for i in active) - 1
-                logits = self.runner.forward(seq_ids, [st.kv_len for st in states], num_new,
-                                             [t for i in active for t in feed[i]], lookahead=lookahead)
-            else:
-                logits = self.runner.advance(rows, [feed[i][0] for i in active])
-            tokens, probs = self._draw(logits, [requests[i].params for i in active], states)
-            still: list[int] = []
-            rows = []
-            for row, i in enumerate(active):
-                st = states[row]
-                st.kv_len += num_new[row]
-                if st.kv_len > len(st.tokens):
-                    st.spec_tail.append(feed[i][-1])
-                proposals[i].tokens.append(tokens[row])
-                if probs is not None and not requests[i].params.greedy:
-                    dists.setdefault(i, []).append(probs[row])
-                if len(proposals[i].tokens) < requests[i].gamma:
-                    feed[i] = [tokens[row]]
-                    still.append(i)
-                    rows.append(row)
-            active = still
-            if step == 0:
-                self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
-            step += 1
+        in_grammar: dict[str, int] = {}   # drafts a sequence's grammar took (undone at the end)
+        try:
+            while active and not (step and should_stop is not None and should_stop()):
+                seq_ids = [requests[i].seq_id for i in active]
+                states = [self._seqs[s] for s in seq_ids]
+                num_new = [len(feed[i]) for i in active]
+                if step == 0:      # the catch-up tails; then one draft a position, the layout advanced
+                    lookahead = max(requests[i].gamma for i in active) - 1
+                    logits = self.runner.forward(seq_ids, [st.kv_len for st in states], num_new,
+                                                 [t for i in active for t in feed[i]], lookahead=lookahead)
+                else:
+                    logits = self.runner.advance(rows, [feed[i][0] for i in active])
+                tokens, probs = self._draw(logits, [requests[i].params for i in active], states,
+                                           [proposals[i].tokens for i in active])
+                still: list[int] = []
+                rows = []
+                for row, i in enumerate(active):
+                    st = states[row]
+                    st.kv_len += num_new[row]
+                    if st.kv_len > len(st.tokens):
+                        st.spec_tail.append(feed[i][-1])
+                    proposals[i].tokens.append(tokens[row])
+                    if probs is not None and not requests[i].params.greedy:
+                        dists.setdefault(i, []).append(probs[row])
+                    more = len(proposals[i].tokens) < requests[i].gamma
+                    if st.grammar is not None:
+                        # The grammar follows the drafts (its mask chose them); at its end, or if
+                        # it refuses one, drafting this sequence stops.
+                        took = st.grammar.accept(tokens[row])
+                        if took:
+                            in_grammar[seq_ids[row]] = in_grammar.get(seq_ids[row], 0) + 1
+                        more = more and took and not st.grammar.terminated
+                    if more:
+                        feed[i] = [tokens[row]]
+                        still.append(i)
+                        rows.append(row)
+                active = still
+                if step == 0:
+                    self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
+                step += 1
+        finally:
+            for seq_id, n in in_grammar.items():
+                self._seqs[seq_id].grammar.rollback(n)
         for i, rows_of_i in dists.items():
             proposals[i].probs = torch.stack(rows_of_i)
 
@@ -363,19 +388,48 @@ class Drafter:
             # largest seed a generator takes) or from the drafter's seed source.
             seed = (req.params.seed + 1) % 2**64 if req.params.seed is not None else \
                 int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(seed, self.device))
+            st = self._seqs[req.seq_id] = _SeqState(generator=make_generator(seed, self.device),
+                                                    num_prompt=req.num_prompt_tokens,
+                                                    grammar=self._matcher(req.params))
         base = len(st.tokens)
         matched = common_prefix_len(st.spec_tail, req.new_tokens)
         st.tokens.extend(req.new_tokens)
+        if st.grammar is not None:
+            for tok in st.tokens[max(base, st.num_prompt):]:
+                if not st.grammar.accept(tok):      # out of step with the target's: draft freely
+                    st.grammar = None
+                    break
         st.kv_len = min(st.kv_len, base + matched, len(st.tokens) - 1)
         st.spec_tail = []
         if base:   # a new sequence owns no blocks yet
             self.kv.truncate(req.seq_id, st.kv_len)
         return st
 
-    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], states: list[_SeqState]):
+    def _matcher(self, params: SamplingParams) -> Matcher | None:
+        """A request's grammar, compiled here from the drafter's own tokenizer (the target's: they
+        share it) and cached per form; None without structured outputs (or without a tokenizer)."""
+        if params.structured_outputs is None or self.tokenizer_path is None:
+            return None
+        if self._grammars is None:
+            from backend.model.tokenizer import Tokenizer
+            tok = Tokenizer.from_pretrained(self.tokenizer_path, eos_token_ids=self.model.config.eos_token_ids)
+            self._grammars = GrammarCompiler(tok, self.vocab_size)
+        return self._grammars.matcher(params.structured_outputs)
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], states: list[_SeqState],
+              drafted: list[list[int]]):
         """Each row's draft: the argmax for greedy requests, a draw from its processed
-        distribution (each sequence's own generator) for sampled ones; one transfer to the host."""
+        distribution (each sequence's own generator) for sampled ones; one transfer to the host.
+        A request's logits processors see its tokens followed by what it `drafted` so far, as the
+        target's verification will at that position: drafts then follow the distribution they are
+        checked against, and acceptance stays what it is without processors."""
+        constrained = [row for row, st in enumerate(states) if st.grammar is not None]
+        if constrained:     # structured outputs: only what the grammar allows, as the target will
+            mask_rows(logits, constrained, [states[r].grammar for r in constrained])
+        procs = [row for row, p in enumerate(params) if p.processes_logits]
+        if procs:
+            contexts = [Context(params[r], states[r].tokens, states[r].num_prompt) for r in procs]
+            process_logits(logits, procs, contexts, [Row(k, drafted[r]) for k, r in enumerate(procs)])
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist(), None
         probs = processed_probs(logits, params)

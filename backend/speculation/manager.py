@@ -223,7 +223,8 @@ class DrafterManager:
     def _request(self, seq: Sequence, gamma: int, ahead: bool) -> DraftRequest:
         start = self._synced.get(seq.request_id, 0)
         self._synced[seq.request_id] = len(seq)
-        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start, ahead)
+        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start, ahead,
+                            seq.num_prompt_tokens)
 
     def collect(self, pending) -> list[Proposal] | None:
         if pending is None or self.drafter is None:

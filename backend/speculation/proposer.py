@@ -26,6 +26,7 @@ class DraftRequest:
     start: int = 0                 # position of new_tokens[0] in the sequence
     ahead: bool = False            # after proposing, pre-draft the next round (a worker does;
                                    # in line it would only delay the step: see draft_ahead.py)
+    num_prompt_tokens: int = 0     # where the output begins (the penalties tell them apart)
 
 
 @dataclass
