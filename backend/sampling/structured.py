@@ -75,7 +75,7 @@ def _spec(what: str, kind: str, v: Any) -> str:
                 raise InvalidRequest(f"{what} is not valid JSON: {e}") from None
         if not isinstance(v, (dict, bool)):
             raise InvalidRequest(f"{what} must be a JSON schema (an object), got {short(v)}")
-        spec = json.dumps(v, sort_keys=True, separators=(",", ":"))
+        spec = json.dumps(v, separators=(",", ":"))     # key order kept: properties come in it
     elif kind == "json_object":
         if to_bool(what, v) is not True:
             raise InvalidRequest(f"{what} must be true (leave it out otherwise)")
