@@ -44,6 +44,20 @@ def compiled_drafter(drafter_model):
     return step, kv
 
 
+@pytest.fixture(scope="module")
+def target_model():
+    return load_model(TINY_TARGET, attention="paged")
+
+
+@pytest.fixture(scope="module")
+def frozen_target(target_model):
+    """The target's step as the engine compiles it: frozen (weights pre-packed constants)."""
+    kv = PagedKVCache.for_model(target_model.config, 8 << 20, block_size=16)
+    step = CompiledStep(target_model, max_query_len=5, freeze=True)
+    step.warm_up(kv)
+    return step, kv
+
+
 def _forward_both(model, step, kv, seq_ids, cached, new):
     """Eager and compiled logits of the same forward, each writing into its own copy of `kv`."""
     tokens = torch.randint(0, model.config.vocab_size, (sum(new),), generator=torch.Generator().manual_seed(3)).tolist()
@@ -65,6 +79,17 @@ def test_compiled_logits_equal_eager_within_tolerance(drafter_model, compiled_dr
     step, kv = compiled_drafter
     ids = [f"s{i}" for i in range(len(cached))]
     eager, compiled = _forward_both(drafter_model, step, kv, ids, cached, new)
+    for sid in ids:
+        kv.free(sid)
+    torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("cached,new", [([20], [1]), ([3, 40, 17], [1, 1, 1]), ([33, 8], [5, 5])])
+def test_frozen_target_logits_equal_eager_within_tolerance(target_model, frozen_target, cached, new):
+    step, kv = frozen_target
+    ids = [f"t{i}" for i in range(len(cached))]
+    eager, compiled = _forward_both(target_model, step, kv, ids, cached, new)
     for sid in ids:
         kv.free(sid)
     torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
@@ -146,7 +171,8 @@ def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tok
     engine = _engine(mode="sd", compile="auto")
     try:
         drafter = engine.drafter.drafter
-        assert drafter.runner.captured is not None and engine.runner.captured is None   # auto: the drafter only
+        assert drafter.runner.captured is not None and not drafter.runner.captured.frozen
+        assert engine.runner.captured is not None and engine.runner.captured.frozen
         first = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
         drafter.offload()
         drafter.reload()
@@ -175,5 +201,6 @@ def test_the_server_compiles_its_steps_and_decodes_what_plain_eager_decoding_doe
                  for p in prompts[:3]]
         log = (tmp_path / "tritonserver.log").read_text()
     assert "compiled the drafter's decode and verification step" in log, log[-3000:]
+    assert "compiled the target's decode and verification step" in log, log[-3000:]
     assert "could not compile" not in log
     assert texts == [tokenizer.decode(ids) for ids in plain_eager_tokens[:3]]
