@@ -98,8 +98,10 @@ def test_auto_complete_made_it_the_vllm_backends_model(sample_server):
     assert {"text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
             "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
             "return_num_output_tokens"} <= inputs
+    # The vLLM backend's outputs, and prompt_logprobs (vLLM's prompt_logprobs; that backend has none).
     assert {o["name"] for o in config["output"]} == {"text_output", "finish_reason", "cumulative_logprob",
-                                                     "logprobs", "num_input_tokens", "num_output_tokens"}
+                                                     "logprobs", "num_input_tokens", "num_output_tokens",
+                                                     "prompt_logprobs"}
 
 
 def test_a_streamed_grpc_request_gets_the_same_text(sample_server):
