@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.engine.config import ConfigError, EngineConfig, read_json_object
+from backend.engine.prompt_limit import default_max_prompt_bytes
 from backend.engine.paths import resolve_checkpoint
 from backend.engine.vllm_args import engine_keys_from_vllm, read_model_json, vllm_device
 from backend.serving.instance import place
@@ -160,3 +161,26 @@ def tokenizer_dir(margs: ModelArgs, default: str) -> Path:
     except ConfigError as e:
         raise margs.fail(f"{path.parent}: {e}") from None
     raise margs.fail(f"no tokenizer: neither {path} (target) nor {model_json} (model) names one")
+
+
+# The context assumed for the byte limit when neither engine.json nor the checkpoint says one.
+FALLBACK_CONTEXT = 131072
+
+
+def prompt_byte_limit(margs: ModelArgs, default: str, max_token_bytes: int) -> int:
+    """The most prompt bytes the engine of this configuration accepts (its ``max_prompt_bytes``,
+    or the default for the context it allows: engine.json's ``max_model_len``, else the target's
+    ``max_position_embeddings``), for the ensemble's preprocessing to refuse longer text before
+    tokenizing it, as the engine does."""
+    path = margs.path("engine_config", default)
+    try:
+        raw = read_json_object(path) if path.is_file() else {}
+        if raw.get("max_prompt_bytes"):
+            return int(raw["max_prompt_bytes"])
+        context = raw.get("max_model_len")
+        if not context:
+            cfg = tokenizer_dir(margs, default) / "config.json"
+            context = json.loads(cfg.read_text()).get("max_position_embeddings") if cfg.is_file() else None
+        return default_max_prompt_bytes(int(context or FALLBACK_CONTEXT), max_token_bytes)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise margs.fail(f"{path}: {e}") from None
