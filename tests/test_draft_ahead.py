@@ -202,10 +202,10 @@ def pre_draft_exactness(monkeypatch=None, worker_main=None) -> tuple[float, int]
 @pytest.mark.slow
 def test_sampled_tokens_decided_by_pre_drafts_follow_the_target():
     """Every token a pre-drafted draft decided, against the target's conditional given the run's
-    earlier tokens (tests/helpers/exactness.py; KS at 1e-3). With n >= 300 such tokens it
-    rejects with power about 0.9 a shift of their pooled CDF by 3.3/sqrt(n), at most 0.19 (about
-    0.12 at the 700 or so this run decides): a pre-draft served with the wrong distributions
-    moves more than that (the control below)."""
+    earlier tokens (tests/helpers/exactness.py: two rankings, KS, 1e-3). With n >= 300 such tokens
+    it rejects with power at least 0.9 a shift of their pooled CDF by 2.7/sqrt(n), at most 0.16
+    (about 0.13 at the 400-500 tokens this run decides): a pre-draft served with its draft rows one
+    position early is rejected at p = 3e-9 (the control below)."""
     from helpers.exactness import P_MIN
     p, n = pre_draft_exactness()
     print(f"pre-drafts: KS p={p:.3g} over {n} tokens")
