@@ -20,9 +20,9 @@ pooled and tested for uniformity with Kolmogorov-Smirnov, for two rankings:
   direction in which a verification bug errs (a wrong residual, a wrong acceptance ratio).
 
 The reported p-value is the smaller of the two, doubled (Bonferroni), against P_MIN = 1e-3. Each
-KS then runs at 5e-4 and rejects with power about 0.9 when the pooled CDF of u departs from the
-diagonal by about 2.7/sqrt(n) (0.039 at n = 4800 values; 0.10 at n = 700): that much of the
-sampled mass on the wrong side of one cut through a ranking.
+KS then runs at 5e-4 and rejects with power at least 0.9 (simulated) when the pooled CDF of u
+departs from the diagonal by about 2.7/sqrt(n) (0.039 at n = 4800 values; 0.10 at n = 700):
+that much of the sampled mass on the wrong side of one cut through a ranking.
 """
 from __future__ import annotations
 
