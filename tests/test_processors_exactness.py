@@ -20,7 +20,9 @@ from backend.engine.engine import Engine
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
-from test_sampling_exactness import P_MIN, chi_square_p, load_target_hf
+from helpers.exactness import P_MIN, load_target_hf
+
+scipy_stats = pytest.importorskip("scipy.stats")
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +103,20 @@ def test_the_check_sees_penalties_missing(exact):
     got = [c.output_ids for c in engine.generate([PROMPT] * N, params, max_concurrency=48)]
     with pytest.raises(AssertionError, match="p="):
         check(exact, got, "no penalties")
+
+
+def chi_square_p(observed: Counter, probs: torch.Tensor) -> float:
+    """Chi-square p-value of token counts against a distribution (bins with >= 5 expected, the
+    rest in one bin)."""
+    n = sum(observed.values())
+    expected = (probs * n).tolist()
+    keep = [t for t, e in enumerate(expected) if e >= 5]
+    obs = [observed.get(t, 0) for t in keep]
+    exp = [expected[t] for t in keep]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    if exp[-1] < 5:
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    assert len(obs) >= 3, "too few categories to test"
+    return float(scipy_stats.chisquare(obs, exp).pvalue)
