@@ -55,6 +55,7 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
     possible = torch.isfinite(logits.amax(dim=-1))
     finite, possible, argmax = torch.stack((finite.long(), possible.long(), logits.argmax(dim=-1))).tolist()
     todo = []
+    ends_before: dict[int, int] = {}     # request -> its first row that allows no token
     for i, (first, n) in enumerate(rows):
         if not n or out[i] is not None:
             continue
@@ -65,7 +66,14 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
                                 "allowed_token_ids, bad_words and min_tokens together exclude every token")
         else:
             if not all(possible[first:first + n]):
-                _stop_drafts_before(batch[i], rows, i, possible[first:first + n].index(0))
+                # Row j (after drafts d_1..d_j) allows nothing: plain decoding would commit
+                # d_1..d_j and fail one step later. The drafts stay verified (dropping them for
+                # their value would bias the rows before); the empty rows get a placeholder, and
+                # whatever is decided at row j or later is dropped, so the next step meets the
+                # empty row at its start and fails as plain decoding does.
+                ends_before[i] = possible[first:first + n].index(0)
+                empty = [first + j for j in range(n) if not possible[first + j]]
+                logits[torch.as_tensor(empty, device=logits.device)] = 0.0
             todo.append(i)
     greedy = [i for i in todo if batch[i].seq.params.greedy]
     if greedy:
@@ -74,6 +82,9 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
             out[i] = verify_greedy(argmax[first:first + n], batch[i].drafts if batch[i].gamma else [])
     greedy_set = set(greedy)
     probs = _sample_all(batch, rows, logits, [i for i in todo if i not in greedy_set], out)
+    for i, j in ends_before.items():
+        if isinstance(out[i], list):
+            out[i] = out[i][:j]
     for i in todo:
         if isinstance(out[i], list):
             want = batch[i].seq.params.logprobs
@@ -184,18 +195,6 @@ def _process_rows(batch, rows: Rows, logits: torch.Tensor, which: list[int]) -> 
     process_logits(logits, row_ids, contexts, procs)
 
 
-def _stop_drafts_before(s: ScheduledSeq, rows: Rows, i: int, j: int) -> None:
-    """Row j (after drafts d_1..d_j) allows no token: plain decoding would fail the request
-    there, one step after committing d_j. Verify only the drafts before d_j, so this step
-    commits at most d_1..d_j and the next step meets the empty row (and fails) as plain decoding
-    does."""
-    keep = j - 1
-    s.drafts = s.drafts[:keep]
-    s.draft_probs = None if s.draft_probs is None else s.draft_probs[:keep]
-    s.gamma = keep
-    rows[i] = (rows[i][0], keep + 1)
-
-
 def score_prompts(scored: list, logits: torch.Tensor) -> None:
     """prompt_logprobs: ``scored`` lists (sequence, first position, count); `logits` holds those
     positions' rows in that order. Position p scores prompt token p + 1 under the target's own
@@ -209,9 +208,10 @@ def score_prompts(scored: list, logits: torch.Tensor) -> None:
 
 def _mask_grammar(batch, rows: Rows, logits: torch.Tensor, out: list) -> None:
     """Structured outputs: every row of a constrained request gets its grammar's mask (the row
-    after each draft, from the matcher with that draft accepted: the bonus row too). Drafts from
-    the first one the grammar refuses on are not verified (their target probability is 0, so they
-    could not be accepted): the request keeps the drafts before it and one more row to sample."""
+    after each draft, from the matcher with that draft accepted: the bonus row too). Every draft
+    is verified: one the grammar refuses has target probability 0 at its row, so verification
+    rejects it and draws its position from the residual, as for any draft (cutting drafts for
+    their value, and sampling their position from the target, would bias sampled outputs)."""
     todo = [i for i, (s, (_, n)) in enumerate(zip(batch, rows)) if n and s.seq.grammar is not None]
     if not todo:
         return
@@ -224,12 +224,11 @@ def _mask_grammar(batch, rows: Rows, logits: torch.Tensor, out: list) -> None:
         first, n = rows[i]
         try:
             filled = s.seq.grammar.fill_rows(s.drafts if s.gamma and s.drafts else [], bitmask, len(row_ids))
+            assert filled == n, f"{filled} grammar masks for {n} rows"
         except Exception as e:  # noqa: BLE001 - this request's grammar alone
             out[i] = e
             continue
-        if filled < n:
-            _stop_drafts_before(s, rows, i, filled)
-        row_ids += range(first, first + filled)
+        row_ids += range(first, first + n)
     if row_ids:
         allowed = allowed_tokens(bitmask[:len(row_ids)], vocab).to(logits.device)
         idx = torch.as_tensor(row_ids, device=logits.device)

@@ -4,9 +4,13 @@ request that follows its committed tokens, and token masks as xgrammar's packed 
 (int32 words, bit t of row r set where token t is allowed).
 
 Under speculation the matcher fills one mask per verified position: at the committed state, then
-after each draft it accepts, and is rolled back to the committed state afterwards. A draft the
-grammar refuses ends the masks there (the drafts from it on are not verified: they could not be
-accepted), so every position verification uses has its mask, the bonus token's included.
+after each draft it accepts, and is rolled back to the committed state afterwards. Every draft is
+verified, whatever its value: a draft the grammar refuses gets probability 0 at its row, so
+verification rejects it and draws its position from the residual distribution, exactly as for any
+draft the target would not produce. (Dropping such drafts, or the draft that terminates the
+grammar, and sampling their position from the target instead would bias the output: the cut would
+depend on the draft's value.) Rows that can never be used, after a refused draft or after the
+terminating one, allow every token.
 """
 from __future__ import annotations
 
@@ -103,9 +107,13 @@ class Matcher:
         self._m.fill_next_token_bitmask(bitmask, row)
 
     def fill_rows(self, drafts: Sequence[int], bitmask: torch.Tensor, start: int) -> int:
-        """Masks for the committed state and after each draft the grammar accepts, into rows
-        ``start, start + 1, ...`` of `bitmask`; returns how many rows it filled (1 + the drafts
-        whose next position has a mask). The state is the committed one again afterwards."""
+        """Masks for the committed state and after each draft, into rows ``start`` ..
+        ``start + len(drafts)`` of `bitmask`; returns how many rows it filled (every draft's
+        and the bonus's: no draft is dropped for its value, which would change the distribution
+        of the token at its position). A draft the grammar refuses has probability 0 at its own
+        row, so verification rejects it and draws that position from the residual; rows that can
+        then never be used (after a refused draft, or after the draft that terminates the grammar,
+        where commit stops) allow every token. The state is the committed one again afterwards."""
         m = self._m
         m.fill_next_token_bitmask(bitmask, start)
         filled, consumed = 1, 0
@@ -113,13 +121,14 @@ class Matcher:
             if not m.accept_token(d):
                 break
             consumed += 1
-            if m.is_terminated():       # a stop token: plain decoding ends here
+            if m.is_terminated():       # a stop token: commit ends the request at it
                 break
             m.fill_next_token_bitmask(bitmask, start + filled)
             filled += 1
+        bitmask[start + filled:start + len(drafts) + 1].fill_(-1)     # never used: any token
         if consumed:
             m.rollback(consumed)
-        return filled
+        return len(drafts) + 1
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
