@@ -155,13 +155,13 @@ def plain_processed(plain, tok):
 
 ENGINES = {
     "sd": dict(drafter=str(TINY_DRAFTER), mode="sd", gamma=4),
-    "psd": dict(drafter=str(TINY_DRAFTER), mode="psd", gamma=3, drafter_device="cpu"),
+    "psd": dict(drafter=str(TINY_DRAFTER), mode="psd", gamma=3, drafter_device="cpu"),   # a worker process
     "auto": dict(drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4, planner={"modes": ("sd",)}),
     "ngram": dict(proposer="ngram", mode="sd", gamma=4),
 }
 
 
-@pytest.mark.parametrize("kind", list(ENGINES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "psd" else k for k in ENGINES])
 def test_greedy_speculation_with_processors_equals_plain_decoding(kind, plain_processed):
     params, want = plain_processed
     engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, **ENGINES[kind]))
@@ -225,6 +225,13 @@ def test_null_means_the_default_and_biases_are_clamped():
                                   "logit_bias": {"7": 500, "8": -1e9}})
     assert p.presence_penalty == 0.0 and p.frequency_penalty == 0.5
     assert dict(p.logit_bias) == {7: 100.0, 8: -100.0}
+
+
+@pytest.mark.parametrize("bias", [float("inf"), float("-inf"), float("nan")])
+def test_a_bias_that_is_not_finite_is_refused_through_the_python_api(bias):
+    """(JSON biases are clamped to [-100, 100]; an infinite one on a masked token would give NaN.)"""
+    with pytest.raises(InvalidRequest, match="logit_bias must map token ids to finite numbers"):
+        SamplingParams(logit_bias={5: bias})
 
 
 @pytest.mark.parametrize("raw, words", [

@@ -83,7 +83,7 @@ def test_without_a_grammar_the_output_does_not_parse(plain):
 
 ENGINES = {
     "sd": dict(drafter=str(TINY_DRAFTER), mode="sd", gamma=4),
-    "psd": dict(drafter=str(TINY_DRAFTER), mode="psd", gamma=3, drafter_device="cpu"),
+    "psd": dict(drafter=str(TINY_DRAFTER), mode="psd", gamma=3, drafter_device="cpu"),   # a worker process
     "auto": dict(drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4, planner={"modes": ("sd",)}),
     "ngram": dict(proposer="ngram", mode="sd", gamma=4),
 }
@@ -121,7 +121,7 @@ def test_sampled_speculation_under_a_grammar_ends_outputs_where_plain_sampling_d
     assert p > P_MIN, f"output lengths: plain {dict(want)}, speculation {dict(got)}, p={p:.2g}"
 
 
-@pytest.mark.parametrize("kind", list(ENGINES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "psd" else k for k in ENGINES])
 def test_greedy_speculation_under_a_grammar_equals_plain_decoding(kind, plain):
     forms = [FORMS["json"][0], FORMS["regex"][0], FORMS["grammar"][0]]
     ps = [params(f) for f in forms for _ in PROMPTS[:3]]

@@ -5,6 +5,8 @@ Clients of Triton's vLLM backend (and genai-perf) send numbers as strings, e.g.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -154,8 +156,9 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {short(self.min_p)}")
         for pair in self.logit_bias:
             if (not isinstance(pair, tuple) or len(pair) != 2 or not _is_token_id(pair[0])
-                    or not _is_number(pair[1]) or pair[1] != pair[1]):
-                raise InvalidRequest(f"logit_bias must map token ids to numbers, got {short(pair)}")
+                    or not _is_number(pair[1]) or not math.isfinite(pair[1])):
+                # An infinite bias on a masked token would make -inf + inf = NaN in its row.
+                raise InvalidRequest(f"logit_bias must map token ids to finite numbers, got {short(pair)}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise InvalidRequest("allowed_token_ids must not be empty (leave it out to allow every token)")
