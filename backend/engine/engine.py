@@ -190,6 +190,7 @@ class Engine:
             s.draft_ahead = d.ahead_summary()
         if self.memory is not None:
             s.offloads, s.reloads = self.memory.offloads, self.memory.reloads
+            s.offload_failures, s.reload_failures = self.memory.failed_offloads, self.memory.failed_reloads
         if self.planner is not None:
             s.planner_switches = self.planner.switches
         c = self.sub_batches.counters

@@ -87,6 +87,8 @@ class EngineStats:
     draft_ahead: dict = field(default_factory=dict)   # pre-draft hits by accepted length (draft_ahead.py)
     offloads: int = 0                      # drafter weights moved to host (elastic memory)
     reloads: int = 0
+    offload_failures: int = 0              # the pool could not grow (out of memory): nothing lent
+    reload_failures: int = 0               # the pool could not shrink back: the drafter stays off
     planner_switches: int = 0
     psd_steps: int = 0
     psd_fallback_steps: int = 0            # verified sub-batch had no proposals: drafted in line
