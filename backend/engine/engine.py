@@ -186,6 +186,7 @@ class Engine:
         if d is not None:
             s.drafter_kv_usage, s.drafter_state = d.kv_usage, d.state
             s.drafter_failures, s.drafter_restarts = d.failures, d.restarts
+            s.drafter_restart_failures, s.drafter_next_restart_s = d.restart_failures, d.next_restart_in_s
             s.drafter_request_failures, s.drafter_catchup_tokens = d.request_failures, d.catchup_tokens
             s.draft_ahead = d.ahead_summary()
         if self.memory is not None:
