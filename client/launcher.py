@@ -26,6 +26,10 @@ Triton's administrative APIs (:data:`RESTRICTED_APIS`: model load/unload, shared
 registration, tracing, logging) answer only requests that carry the admin key in the header
 :data:`ADMIN_KEY_HEADER` (gRPC: :data:`GRPC_ADMIN_KEY_HEADER`). The key is ``--admin-key``, else
 ``$NIGHTDRAFT_ADMIN_KEY``, else a random one per start that is never shown, which closes them.
+tritonserver 2.51 takes the key only on its command line (``--http-restricted-api``; no
+variable, no file), so it is in ``/proc/<pid>/cmdline`` of the server process for any local user
+who can list processes (a container's PID namespace, or /proc mounted with ``hidepid``, limits
+who that is); the variable keeps it off ``nightdraft serve``'s own command line only.
 """
 from __future__ import annotations
 
@@ -66,6 +70,10 @@ ADMIN_KEY_HEADER = "nightdraft-admin-key"
 GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 # Triton parses "<apis>:<key>=<value>", and the value travels in a header: no separators, no spaces.
 _ADMIN_KEY_RE = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
+
+
+# Requests to the server this process started go straight to it, whatever http_proxy says.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class LauncherError(RuntimeError):
@@ -356,8 +364,8 @@ class TritonServer:
         return "\n".join(self._tail[-n:])
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+        try:   # never through a proxy (http_proxy in the environment): the server is local
+            with _NO_PROXY.open(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -437,7 +445,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"key for Triton's administrative APIs ({', '.join(RESTRICTED_APIS)}), sent in "
                         f"the header {ADMIN_KEY_HEADER} (gRPC: {GRPC_ADMIN_KEY_HEADER}); default: "
                         f"${ADMIN_KEY_ENV}, else a random key that is not shown, which closes them. "
-                        "Prefer the variable: a flag shows in the process list")
+                        "Either way tritonserver gets the key on its command line (it has no other "
+                        "way to take it), where local users who can list its processes can read it; "
+                        "the variable keeps it out of this command's own command line and your "
+                        "shell history")
     p.add_argument("--tritonserver", default=None,
                    help="path to a tritonserver binary (default: $NIGHTDRAFT_TRITONSERVER, then "
                         "tritonserver on PATH, then the nvidia-pytriton wheel's)")

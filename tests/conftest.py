@@ -93,20 +93,26 @@ def start_ready(server, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: float = 240):
-    """A real tritonserver of its own serving only the ``nightdraft`` model, configured by
-    `engine_config` (the repository laid out by the dynamic benchmark's ``write_repository``);
-    skips without a runnable tritonserver, fails with the reason if it does not start."""
-    from client.dynamic_server import MODEL, write_repository
+def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: float = 240, *,
+                           env: dict[str, str] | None = None, parameters: dict[str, str] | None = None):
+    """A real tritonserver of its own serving only the ``nightdraft`` model (explicit model
+    control), configured by `engine_config` (the repository laid out by the dynamic benchmark's
+    ``write_repository``) and the model `parameters` of config.pbtxt, started in `env` (default:
+    this process's); skips without a runnable tritonserver, fails with the reason if it does not
+    start."""
+    from client.dynamic_server import MODEL, set_model_parameter, write_repository
     from client.launcher import LauncherError, TritonServer, find_tritonserver, free_port
     try:
         find_tritonserver()
     except LauncherError as e:
         pytest.skip(f"no runnable tritonserver: {e}")
     repo = write_repository(tmp, engine_config)
+    pbtxt = repo / MODEL / "config.pbtxt"
+    for key, value in (parameters or {}).items():
+        pbtxt.write_text(set_model_parameter(pbtxt.read_text(), key, value))
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           host="127.0.0.1", log_file=tmp / "tritonserver.log", models=[MODEL],
-                          exit_timeout_s=10)
+                          exit_timeout_s=10, env=env)
     start_ready(server, ready_timeout_s)
     try:
         yield server

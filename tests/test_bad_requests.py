@@ -197,3 +197,39 @@ def test_the_largest_seed_through_the_ensemble_is_served(triton_server):
         assert a.text and a.text == b.text, "a seeded request is reproducible"
         c = direct.generate("def f(x):\n", max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
         assert c.finish_reason == "length"
+
+
+def test_sizes_are_checked_before_the_work_on_every_entry_point(triton_server):
+    """An input too large for the context is refused before the work that grows with it: the
+    ensemble's preprocessing (one instance for every client) before tokenizing, nightdraft before
+    decoding the text, nightdraft_tokens before converting the ids; sampling_parameters before
+    parsing. The limits are the ones docs/configuration.md states."""
+    import re
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    huge = b"x = 1\n" * (2 << 20)     # 12 MiB: seconds of tokenizing, for a prompt that cannot fit
+    limit_re = r"the prompt has (\d+) bytes; at most (\d+) are accepted \(max_prompt_bytes\)"
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(s(huge))
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("preprocessing", [t], client_timeout=T)
+    m = re.search(limit_re, str(refused.value))
+    assert m and int(m.group(1)) == len(huge), str(refused.value)
+    preprocessing_limit = int(m.group(2))
+
+    for model in ("ensemble", "nightdraft"):
+        _, errors, final = infer_raw(triton_server, [("text_input", s(huge), "BYTES")], model=model)
+        assert errors and final, model
+        m = re.search(limit_re, errors[0])
+        assert m and int(m.group(2)) == preprocessing_limit, errors[0]
+
+    ids = (np.arange(2_000_000) % 50 + 10).astype(np.int32)
+    _, errors, final = infer_raw(triton_server, [("input_ids", ids, "INT32")], model="nightdraft_tokens")
+    assert errors and final and "input 'input_ids' has 2000000 ids; the context holds" in errors[0], errors
+
+    params = json.dumps({"max_tokens": 4, "stop": ["x" * (2 << 20)]}).encode()
+    _, errors, final = infer_raw(triton_server, [HI, ("sampling_parameters", s(params), "BYTES")])
+    assert errors and final and f"sampling_parameters has {len(params)} bytes; at most 1048576" in errors[0]

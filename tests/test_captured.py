@@ -36,12 +36,27 @@ def drafter_model():
     return load_model(TINY_DRAFTER, attention="paged")
 
 
-@pytest.fixture(scope="module")
-def compiled_drafter(drafter_model):
-    kv = PagedKVCache.for_model(drafter_model.config, 4 << 20, block_size=16)
-    step = CompiledStep(drafter_model, max_query_len=5)
+def _compiled(model, freeze: bool):
+    kv = PagedKVCache.for_model(model.config, 8 << 20, block_size=16)
+    step = CompiledStep(model, max_query_len=5, freeze=freeze)
     step.warm_up(kv)
     return step, kv
+
+
+@pytest.fixture(scope="module")
+def compiled_drafter(drafter_model):
+    return _compiled(drafter_model, freeze=False)
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return load_model(TINY_TARGET, attention="paged")
+
+
+@pytest.fixture(scope="module")
+def compiled_target(target_model):
+    """The target's step as the engine compiles it: frozen (weights pre-packed constants)."""
+    return _compiled(target_model, freeze=True)
 
 
 def _forward_both(model, step, kv, seq_ids, cached, new):
@@ -60,11 +75,13 @@ def _forward_both(model, step, kv, seq_ids, cached, new):
     return eager, compiled
 
 
+@pytest.mark.parametrize("role", ["drafter", "target"])
 @pytest.mark.parametrize("cached,new", [([20], [1]), ([3, 40, 17], [1, 1, 1]), ([33, 8], [5, 5]), ([15], [5])])
-def test_compiled_logits_equal_eager_within_tolerance(drafter_model, compiled_drafter, cached, new):
-    step, kv = compiled_drafter
+def test_compiled_logits_equal_eager_within_tolerance(request, role, cached, new):
+    model = request.getfixturevalue(f"{role}_model")
+    step, kv = request.getfixturevalue(f"compiled_{role}")
     ids = [f"s{i}" for i in range(len(cached))]
-    eager, compiled = _forward_both(drafter_model, step, kv, ids, cached, new)
+    eager, compiled = _forward_both(model, step, kv, ids, cached, new)
     for sid in ids:
         kv.free(sid)
     torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
@@ -146,7 +163,8 @@ def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tok
     engine = _engine(mode="sd", compile="auto")
     try:
         drafter = engine.drafter.drafter
-        assert drafter.runner.captured is not None and engine.runner.captured is None   # auto: the drafter only
+        assert drafter.runner.captured is not None and not drafter.runner.captured.frozen
+        assert engine.runner.captured is not None and engine.runner.captured.frozen
         first = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
         drafter.offload()
         drafter.reload()
@@ -175,5 +193,6 @@ def test_the_server_compiles_its_steps_and_decodes_what_plain_eager_decoding_doe
                  for p in prompts[:3]]
         log = (tmp_path / "tritonserver.log").read_text()
     assert "compiled the drafter's decode and verification step" in log, log[-3000:]
+    assert "compiled the target's decode and verification step" in log, log[-3000:]
     assert "could not compile" not in log
     assert texts == [tokenizer.decode(ids) for ids in plain_eager_tokens[:3]]

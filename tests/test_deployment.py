@@ -112,7 +112,9 @@ def test_dockerfile_structure():
     assert any(i == "RUN" and "useradd" in a and f"--uid {IMAGE_UID}" in a for i, a in ins)
 
     checks = [a for i, a in ins if i == "HEALTHCHECK"]
-    assert len(checks) == 1 and "/v2/health/ready" in checks[0] and ":8000" in checks[0], checks
+    # The model, not only the server, and never through an http_proxy the environment may set.
+    assert len(checks) == 1 and "/v2/models/nightdraft/ready" in checks[0] and ":8000" in checks[0], checks
+    assert "ProxyHandler({})" in checks[0], checks
 
     exposed = {p for i, a in ins if i == "EXPOSE" for p in a.split()}
     assert {"8000", "8001", "8002"} <= exposed, exposed
@@ -571,8 +573,12 @@ def test_k8s_deployment_wiring():
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} == set(ports)
 
-    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # Every probe checks the model (ENABLE_VLLM_HEALTH_CHECK unloads a model whose engine cannot
+    # serve), not only the server.
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/v2/models/nightdraft/ready", probe
+    params = (REPO / "model_repository" / "nightdraft" / "config.pbtxt").read_text()
+    assert re.search(r'key: "ENABLE_VLLM_HEALTH_CHECK"\s*value: \{ string_value: "true" \}', params)
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["httpGet"]["port"] in ("http", 8000), probe
 
@@ -1026,3 +1032,23 @@ def test_gpu_check_run_with_a_stand_in_gpu(tmp_path):
 def test_gpu_marker_is_registered():
     text = (REPO / "pyproject.toml").read_text()
     assert re.search(r'^\s*"gpu:', text, re.M), "register the gpu marker in [tool.pytest.ini_options]"
+
+
+@pytest.mark.slow
+def test_the_admin_key_help_says_what_the_process_list_shows(admin_server):
+    """tritonserver takes the key only on its command line (no variable, no file): whoever can list
+    its process reads it, whether it came from --admin-key or $NIGHTDRAFT_ADMIN_KEY. The flag's
+    help and the deployment guide must say so, not that the variable keeps it out."""
+    import argparse
+
+    from client.launcher import add_serve_parser
+
+    assert KEY.encode() in Path(f"/proc/{admin_server.proc.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    (help_text,) = [a.help for a in parser._actions if "--admin-key" in a.option_strings]
+    help_text = " ".join(help_text.split())
+    assert "tritonserver gets the key on its command line" in help_text, help_text
+    assert "keeps it out of this command's own command line" in help_text, help_text
+    guide = " ".join((REPO / "docs" / "deployment.md").read_text().split())
+    assert "`/proc/<pid>/cmdline`, whether it came from `--admin-key` or `$NIGHTDRAFT_ADMIN_KEY`" in guide

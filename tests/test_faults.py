@@ -280,6 +280,15 @@ def test_an_oversize_prompt_is_refused_before_it_is_tokenized(sd):
         sd.add_request("long", "x " * (sd.max_prompt_bytes // 2), GREEDY)
 
 
+def test_the_default_prompt_limit_stays_small_for_long_contexts_and_long_tokens(sd):
+    """2 x context x the longest token reached 32 MiB at a 128k context with 128-byte tokens:
+    seconds of tokenizing for a prompt that is then refused. The default caps the average."""
+    from backend.engine.prompt_limit import default_max_prompt_bytes
+    assert default_max_prompt_bytes(131072, 128) == (4 << 20) + 1024
+    assert default_max_prompt_bytes(1024, 3) == 6 * 1024 + 1024        # short tokens: the exact bound
+    assert sd.max_prompt_bytes == default_max_prompt_bytes(sd.max_model_len, sd.tokenizer.max_token_bytes)
+
+
 def test_tokenizing_a_long_prompt_does_not_stall_other_streams():
     engine = make_engine(mode="ar", drafter=None, max_prompt_bytes=8 << 20)
     loop = EngineLoop(engine)

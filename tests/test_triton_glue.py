@@ -358,7 +358,7 @@ class ScriptedLoop:
         self.aborted.append(request_id)
 
 
-def served_model(request_class, script):
+def served_model(request_class, script, *, pb=None, loop=None, metrics=None):
     """A generation model with its threads and a scripted loop instead of an engine."""
     import threading
     from types import SimpleNamespace
@@ -366,12 +366,13 @@ def served_model(request_class, script):
     from backend.serving.model import generation_model
     from backend.serving.request import InflightRequests
     from backend.serving.responses import ResponseThread
-    model = generation_model(FakePbFull, request_class)()
-    model.model_name, model.metrics = "m", None
-    model.inflight, model.loop = InflightRequests(), ScriptedLoop(script)
+    pb = pb or FakePbFull
+    model = generation_model(pb, request_class)()
+    model.model_name, model.metrics = "m", metrics
+    model.inflight, model.loop = InflightRequests(), loop or ScriptedLoop(script)
     model.drain = SimpleNamespace(served=threading.Event())
-    model.responses = ResponseThread(FakePbFull, "m", loop=model.loop, inflight=model.inflight, metrics=None,
-                                     abort_message=lambda: ("stopping", "UNAVAILABLE"), healthy=lambda: True)
+    model.responses = ResponseThread(pb, "m", loop=model.loop, inflight=model.inflight, metrics=metrics,
+                                     abort_message=lambda: ("stopping", "UNAVAILABLE"))
     return model
 
 
@@ -506,3 +507,140 @@ def test_the_benchmark_sets_the_summary_file_in_its_repository(tmp_path):
     assert sorted(p.name for p in (repo / "nightdraft").rglob("*") if p.is_file()) == ["config.pbtxt", "engine.json"]
     assert read_planner_summary(repo) == {}
     assert 'key: "x"\n  value: { string_value: "y" }' in set_model_parameter("name: \"m\"\n", "x", "y")
+
+
+# ------------------------------------------------------------------ races and failures
+
+
+def test_the_response_thread_outlives_failures_and_every_client_gets_its_final_flag():
+    """An error response that cannot be built, or metrics that raise, must not end the response
+    thread: the request at fault still gets its final flag, and every other request is served."""
+
+    class BrokenError(FakeError):
+        def __init__(self, message, code=None):
+            if message.startswith("internal"):
+                raise RuntimeError("the stub refused the error")
+            super().__init__(message, code)
+
+    class BrokenPb(FakePbFull):
+        TritonError = BrokenError
+
+    class RaisingMetrics:
+        def __getattr__(self, name):
+            def fail(*args, **kw):
+                raise RuntimeError(f"metrics.{name} failed (an IPC call)")
+            return fail
+
+    def script(prompt, params):
+        if prompt == "fails":
+            return [([], "", True, "error")]      # its error response cannot be built
+        return [([5], "o", False, None), ([6], "k", True, "length")]
+    for pb, metrics in ((BrokenPb, None), (FakePbFull, RaisingMetrics())):
+        model = served_model(TextRequest, script, pb=pb, metrics=metrics)
+        reqs = [FakeServedRequest({"text_input": np.array([p], dtype=np.object_)})
+                for p in (b"fails", b"hi", b"fails", b"there")]
+        senders = run(model, *reqs)
+        assert all(len(s.finals()) == 1 for s in senders), [s.sent for s in senders]
+        for s, prompt in zip(senders, (None, "hi", None, "there")):
+            if prompt is not None:
+                assert s.sent[-1][0].tensors["text_output"][0] == f"{prompt}ok".encode()
+        assert len(model.inflight) == 0
+
+
+def test_a_cancellation_while_the_request_is_tokenized_still_aborts_it():
+    """The client cancels while ``submit`` tokenizes the prompt: the response thread's abort goes
+    to an id the engine does not know yet (ignored, as EngineLoop does); the request must still
+    be aborted once submit has registered it."""
+    import threading
+    import time
+
+    from backend.serving.responses import CANCEL_POLL_S
+
+    class TokenizingLoop:
+        healthy, num_inflight = True, 0
+
+        def __init__(self):
+            self.known, self.aborted, self.callbacks = set(), [], {}
+            self.lock = threading.Lock()
+
+        def submit(self, request_id, prompt, params, callback):
+            time.sleep(6 * CANCEL_POLL_S)     # tokenizing, while the response thread polls
+            with self.lock:
+                self.known.add(request_id)
+                self.callbacks[request_id] = callback
+
+        def abort(self, request_id):
+            with self.lock:
+                if request_id not in self.known:
+                    return                     # unknown ids are ignored
+                self.aborted.append(request_id)
+                callback = self.callbacks.pop(request_id, None)
+            if callback is not None:
+                callback(RequestOutput(request_id, [], "", finished=True, finish_reason="abort"))
+
+    loop = TokenizingLoop()
+    model = served_model(TextRequest, None, loop=loop)
+    req = FakeServedRequest({"text_input": np.array([b"a long prompt"], dtype=np.object_)})
+    req.sender.cancelled = True
+    model.execute([req])
+    deadline = time.monotonic() + 5
+    while not req.sender.finals() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    model.responses.stop()
+    assert len(loop.aborted) == 1, "the cancellation was lost: the request runs on"
+    (final,) = req.sender.finals()
+    assert (final.error.message, final.error.code) == ("request cancelled by the client", "CANCELLED")
+
+
+def test_a_client_request_id_is_logged_escaped():
+    """A newline in the client's request id must not start a log line of its own."""
+    import logging
+    import time
+
+    class IdRequest(FakeServedRequest):
+        def request_id(self):
+            return "abc\nE1202 00:00:00.000000 1 forged.cc:1] forged line"
+
+    req = IdRequest({"text_input": np.array([b"hi"], dtype=np.object_)})
+    loop = ScriptedLoop(lambda p, _: [([5], "x", False, None)])
+    model = served_model(TextRequest, None, loop=loop)
+    req.sender.cancelled = True
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("nightdraft.triton")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model.execute([req])
+        deadline = time.monotonic() + 5
+        while not loop.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        model.responses.stop()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    lines = [line for rec in records if "cancelled by the client" in rec.getMessage()
+             for line in rec.getMessage().splitlines()]
+    assert lines and not any(line.startswith("E1202") for line in lines), lines
+    assert "abc\\nE1202" in lines[0]
+
+
+def test_logprobs_are_strict_json():
+    """Alternatives the processed distribution rules out (beyond top_k) have logprob -inf: they
+    are sent as -9999.0, since strict JSON has no -Infinity."""
+    from backend.engine.outputs import TokenLogprob
+
+    req = text(text_input="hi", sampling_parameters=json.dumps({"logprobs": 3}), return_logprobs=True)
+    req.pb, req.token_text = FakePbFull, lambda t: f"<{t}>"
+    lp = TokenLogprob(token=7, logprob=-0.5, rank=1, top=[(7, -0.5), (8, -1.0), (9, float("-inf"))])
+    out = RequestOutput(req.id, [7], "x", finished=True, finish_reason="length", logprobs=[lp],
+                        num_prompt_tokens=1, num_output_tokens=1)
+    req.track(out, 0.0, 0.0)
+    raw = req.final_response(out).tensors["logprobs"][0].decode()
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    (entry,) = json.loads(raw, parse_constant=refuse)
+    assert entry["9"]["logprob"] == -9999.0 and entry["7"]["logprob"] == -0.5

@@ -201,3 +201,22 @@ def test_generate_with_stream_true_says_to_use_generate_stream(triton_server):
     with urllib.request.urlopen(req, timeout=60) as r:
         answer = r.read().decode()
     assert "use generate stream" in answer
+
+
+def test_logprobs_beyond_top_k_are_strict_json(triton_server):
+    """With more alternatives asked for than top_k keeps, the extra ones have probability 0: a
+    strict JSON parser (JavaScript's, Go's, serde) must read the logprobs; OpenAI's -9999.0
+    stands for them."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    sampling = {"max_tokens": 4, "temperature": 1.0, "top_k": 5, "seed": 3, "logprobs": 10, "ignore_eos": True}
+    for stream in (False, True):
+        got = stream_infer(triton_server.grpc_url, make_inputs(stream, sampling, {"return_logprobs": True}))
+        assert all(e is None for _, e in got), got
+        entries = [entry for r, _ in got if r.as_numpy("logprobs") is not None
+                   for entry in json.loads(r.as_numpy("logprobs")[0].decode(), parse_constant=refuse)]
+        assert len(entries) == 4
+        for entry in entries:
+            values = sorted((d["logprob"] for d in entry.values()), reverse=True)
+            assert len(values) >= 10
+            assert values[5:] == [-9999.0] * len(values[5:]) and all(v > -9999.0 for v in values[:5])

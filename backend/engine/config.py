@@ -207,14 +207,19 @@ class EngineConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "EngineConfig":
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: must hold a JSON object")
-        return cls.from_dict(raw, base_dir=path.parent)
+        return cls.from_dict(read_json_object(path), base_dir=path.parent)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_json_object(path: Path) -> dict:
+    """A configuration file's JSON object, or a ConfigError naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a JSON object")
+    return raw

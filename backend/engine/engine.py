@@ -33,6 +33,7 @@ from backend.engine.intake import Intake, Limits, context_limit
 from backend.engine.memory import ElasticMemory
 from backend.engine.offline import Completion, generate
 from backend.engine.outputs import EngineStats, RequestOutput, StepStats
+from backend.engine.prompt_limit import default_max_prompt_bytes
 from backend.engine.verify import decide
 from backend.model.kv_cache import PagedKVCache
 from backend.model.linear import pack_linears
@@ -77,11 +78,9 @@ class Engine:
             self.target, self.kv, config.compile, "target", max_query_len=config.gamma_max + 1))
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
                                            self.kv.num_blocks, self.kv.block_size)
-        # Any text longer than this tokenizes into more than max_model_len tokens (no token
-        # spells more than max_token_bytes), so it is refused before tokenizing; 2x for
-        # normalisers that shorten text.
+        # Longer text is refused before it is tokenized (see prompt_limit).
         self.max_prompt_bytes = config.max_prompt_bytes or \
-            2 * self.max_model_len * self.tokenizer.max_token_bytes + 1024
+            default_max_prompt_bytes(self.max_model_len, self.tokenizer.max_token_bytes)
         self.intake = Intake(self.tokenizer, Limits(
             vocab_size=mc.vocab_size, max_model_len=self.max_model_len, max_prompt_bytes=self.max_prompt_bytes,
             max_waiting=config.max_waiting, max_waiting_bytes=config.max_waiting_bytes), self.device)

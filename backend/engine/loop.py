@@ -78,6 +78,11 @@ class EngineLoop:
         return self._healthy and self._thread.is_alive()
 
     @property
+    def fatal(self) -> str | None:
+        """Why the loop gave up (None while it serves)."""
+        return self._fatal
+
+    @property
     def num_inflight(self) -> int:
         with self._cv:
             return len(self._callbacks)

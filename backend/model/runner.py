@@ -84,16 +84,19 @@ class ModelRunner:
 def capture_for(model: CausalLM, kv: PagedKVCache, setting: str, role: str,
                 max_query_len: int) -> CompiledStep | None:
     """The captured step `setting` (EngineConfig.compile) asks for `model` (the "target" or the
-    "drafter"), compiled now, or None. "auto" compiles the drafter on the CPU, where its decode
-    step measured about 1.5x faster compiled; the target's, whose time is its matmuls and
-    attention, was no faster (docs/executor.md has the figures)."""
-    if setting == "off" or (setting == "auto" and role != "drafter"):
+    "drafter"), compiled now, or None ("auto" and "on" compile both wherever attention is the paged
+    kernel, i.e. on the CPU). The target's graph is frozen (its weights pre-packed as constants:
+    compiled without that it was slower than op by op from batch 16); the drafter's is not,
+    because an offload moves its weights (docs/executor.md has the figures)."""
+    if setting == "off":
         return None
     if model.attention.name != "paged":
+        if setting == "auto":
+            return None
         log.warning("compile %r: the %s's attention (%s) cannot run inside a compiled step; "
                     "it runs op by op", setting, role, model.attention.name)
         return None
-    step = CompiledStep(model, max_query_len)
+    step = CompiledStep(model, max_query_len, freeze=role == "target")
     try:
         seconds = step.warm_up(kv)
     except COMPILE_ERRORS as e:

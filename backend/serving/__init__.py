@@ -16,6 +16,7 @@ here is testable with a fake.
 ``responses``          the response/cancel thread, the one error builder, coalescing of outputs
 ``drain``              shutdown is a drain: notice the unload, let requests finish, end the rest
 ``health``             the model's readiness, asked over the server's own HTTP endpoint
+``engine_health``      whether the engine can serve (readiness follows with ENABLE_VLLM_HEALTH_CHECK)
 ``metrics``            the model's Prometheus families through ``pb_utils.MetricFamily``
 ``planner_io``         the planner's link to the server: Triton's metrics in, its summary out
 ``ensemble``           the ensemble's stateless ends: preprocessing and postprocessing

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.engine.config import ConfigError, EngineConfig
+from backend.engine.config import ConfigError, EngineConfig, read_json_object
+from backend.engine.prompt_limit import default_max_prompt_bytes
 from backend.engine.paths import resolve_checkpoint
 from backend.engine.vllm_args import engine_keys_from_vllm, read_model_json, vllm_device
 from backend.serving.instance import place
@@ -96,7 +97,7 @@ def load_engine_config(margs: ModelArgs, default: str, cuda_count: int | None = 
     if not files:
         raise margs.fail(f"no engine configuration: neither {path} nor {model_json} exists")
     try:
-        raw = _read_engine_json(path) if path.is_file() else {}
+        raw = read_json_object(path) if path.is_file() else {}
         vargs = read_model_json(model_json) if model_json.is_file() else None
         placement = place(margs.instance_kind, margs.device_id, engine_device=raw.get("device"),
                           engine_drafter_device=raw.get("drafter_device"),
@@ -123,16 +124,6 @@ def load_engine_config(margs: ModelArgs, default: str, cuda_count: int | None = 
         raise margs.fail(f"cannot read {' + '.join(map(str, files))}: {type(e).__name__}: {e}") from None
 
 
-def _read_engine_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must hold a JSON object")
-    return raw
-
-
 def _merge(from_model_json: dict, from_engine_json: dict, base_dir: Path, defaulted: set[str] = frozenset()) -> dict:
     """Both files' keys; a key both set to different values is refused, unless model.json's
     value is only vLLM's default (``defaulted``): then engine.json's stands."""
@@ -156,7 +147,7 @@ def tokenizer_dir(margs: ModelArgs, default: str) -> Path:
     path = margs.path("engine_config", default)
     model_json = path.parent / MODEL_JSON
     try:
-        raw = _read_engine_json(path) if path.is_file() else {}
+        raw = read_json_object(path) if path.is_file() else {}
         name = raw.get("tokenizer") or raw.get("target")
         if name:
             return resolve_checkpoint("tokenizer", str(name), path.parent)
@@ -170,3 +161,26 @@ def tokenizer_dir(margs: ModelArgs, default: str) -> Path:
     except ConfigError as e:
         raise margs.fail(f"{path.parent}: {e}") from None
     raise margs.fail(f"no tokenizer: neither {path} (target) nor {model_json} (model) names one")
+
+
+# The context assumed for the byte limit when neither engine.json nor the checkpoint says one.
+FALLBACK_CONTEXT = 131072
+
+
+def prompt_byte_limit(margs: ModelArgs, default: str, max_token_bytes: int) -> int:
+    """The most prompt bytes the engine of this configuration accepts (its ``max_prompt_bytes``,
+    or the default for the context it allows: engine.json's ``max_model_len``, else the target's
+    ``max_position_embeddings``), for the ensemble's preprocessing to refuse longer text before
+    tokenizing it, as the engine does."""
+    path = margs.path("engine_config", default)
+    try:
+        raw = read_json_object(path) if path.is_file() else {}
+        if raw.get("max_prompt_bytes"):
+            return int(raw["max_prompt_bytes"])
+        context = raw.get("max_model_len")
+        if not context:
+            cfg = tokenizer_dir(margs, default) / "config.json"
+            context = json.loads(cfg.read_text()).get("max_position_embeddings") if cfg.is_file() else None
+        return default_max_prompt_bytes(int(context or FALLBACK_CONTEXT), max_token_bytes)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise margs.fail(f"{path}: {e}") from None

@@ -13,6 +13,7 @@ token differently). ``nightdraft_tokens`` therefore sends a window of ids whose 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import traceback
 from typing import Any, Callable
@@ -20,8 +21,8 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.model.tokenizer import Tokenizer
-from backend.serving.config import ModelArgs, tokenizer_dir
-from backend.serving.inputs import input_int, scalar
+from backend.serving.config import ModelArgs, prompt_byte_limit, tokenizer_dir
+from backend.serving.inputs import check_size, input_int, scalar
 from backend.serving.responses import error_response
 from backend.values import to_str
 
@@ -32,17 +33,20 @@ DEFAULT_ENGINE_CONFIG = "../../nightdraft/1/engine.json"
 
 def ensemble_model(pb_utils: Any, role: str) -> type:
     """The ``TritonPythonModel`` class of ``preprocessing`` or ``postprocessing``."""
-    steps = {"preprocessing": tokenize, "postprocessing": detokenize}
-    step = steps[role]
-
     class TritonPythonModel:
         pb = pb_utils
 
         def initialize(self, args: dict[str, str]) -> None:
-            self.tokenizer = Tokenizer.from_pretrained(tokenizer_dir(ModelArgs(self.pb, args), DEFAULT_ENGINE_CONFIG))
+            margs = ModelArgs(self.pb, args)
+            self.tokenizer = Tokenizer.from_pretrained(tokenizer_dir(margs, DEFAULT_ENGINE_CONFIG))
+            if role == "preprocessing":
+                limit = prompt_byte_limit(margs, DEFAULT_ENGINE_CONFIG, self.tokenizer.max_token_bytes)
+                self.step = functools.partial(tokenize, max_bytes=limit)
+            else:
+                self.step = detokenize
 
         def execute(self, requests: list[Any]) -> list[Any]:
-            return respond_each(self.pb, requests, lambda r: step(self.pb, self.tokenizer, r), role)
+            return respond_each(self.pb, requests, lambda r: self.step(self.pb, self.tokenizer, r), role)
 
     return TritonPythonModel
 
@@ -61,12 +65,16 @@ def respond_each(pb: Any, requests: list[Any], handle: Callable[[Any], list], wh
     return responses
 
 
-def tokenize(pb: Any, tokenizer: Tokenizer, request: Any) -> list:
-    """text_input -> input_ids, input_lengths."""
+def tokenize(pb: Any, tokenizer: Tokenizer, request: Any, max_bytes: int | None = None) -> list:
+    """text_input -> input_ids, input_lengths; text over ``max_bytes`` is refused untokenized
+    (this model has one instance: one huge text would hold up every request behind it)."""
     t = pb.get_input_tensor_by_name(request, "text_input")
     if t is None:
         raise ValueError("missing required input 'text_input'")
-    text = to_str("input 'text_input'", scalar(t, "text_input"))
+    raw = scalar(t, "text_input")
+    if max_bytes is not None:
+        check_size("the prompt", raw, max_bytes, "max_prompt_bytes")
+    text = to_str("input 'text_input'", raw)
     if not text:
         raise ValueError("input 'text_input' is empty")
     ids = tokenizer.encode(text)

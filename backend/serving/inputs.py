@@ -15,6 +15,19 @@ from backend.sampling.params import parse_sampling_json
 from backend.values import parse_json_object, to_int, to_str
 
 
+# sampling_parameters and request parameters are small JSON objects; larger ones are refused
+# before they are parsed.
+MAX_PARAMETERS_BYTES = 1 << 20
+
+
+def check_size(what: str, value: Any, limit: int, setting: str = "") -> None:
+    """Refuse a str or bytes value longer than ``limit`` bytes (a str counts its characters
+    first: they are never more than its UTF-8 bytes)."""
+    if isinstance(value, (bytes, str)) and len(value) > limit:
+        raise InvalidRequest(f"{what} has {'at least ' if isinstance(value, str) else ''}{len(value)} bytes; "
+                             f"at most {limit} are accepted{f' ({setting})' if setting else ''}")
+
+
 def scalar(tensor: Any, name: str) -> Any:
     """The one value of an input tensor (any shape holding exactly one element)."""
     flat = np.asarray(tensor.as_numpy()).reshape(-1)
@@ -42,7 +55,11 @@ def input_int(pb: Any, request: Any, name: str) -> int | None:
 
 def sampling_parameters(pb: Any, request: Any) -> dict[str, Any]:
     """The ``sampling_parameters`` input (JSON; absent or empty means no settings)."""
-    return parse_sampling_json(input_str(pb, request, "sampling_parameters"))
+    raw = optional_scalar(pb, request, "sampling_parameters")
+    if raw is None:
+        return {}
+    check_size("sampling_parameters", raw, MAX_PARAMETERS_BYTES)
+    return parse_sampling_json(to_str("input 'sampling_parameters'", raw))
 
 
 def request_parameters(request: Any) -> dict[str, Any]:
@@ -53,4 +70,5 @@ def request_parameters(request: Any) -> dict[str, Any]:
         return {}
     if isinstance(raw, dict):
         return dict(raw)
+    check_size("the request parameters", raw, MAX_PARAMETERS_BYTES)
     return parse_json_object(raw, "request parameters") if raw else {}

@@ -41,6 +41,10 @@ nightdraft_drafter_request_failures_total       counter    requests decoded with
                                                            drafter fault of their own
 nightdraft_request_errors_total                 counter    requests failed alone inside a step
 nightdraft_engine_healthy                       gauge      0 once the engine loop refuses requests
+                                                           or the drafter could not be restarted
+nightdraft_model_state                          gauge      label state (serving|unhealthy|draining)
+nightdraft_readiness_probe_errors_total         counter    polls of the model's own readiness that
+                                                           got no answer (never start a drain)
 nightdraft_psd_{steps,overlapped_steps,fallback_steps}_total                   counters
 ==============================================  =========  ====================================
 """
@@ -62,6 +66,7 @@ E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
 
 MODES = ("ar", "sd", "psd", "ngram")
 DRAFTER_STATES = ("none", "on_device", "offloaded", "reloading", "restarting", "failed")
+MODEL_STATES = ("serving", "unhealthy", "draining")
 # Cumulative engine counters exported as they are (EngineStats attribute -> family, help).
 EXTRA_COUNTERS = {
     "preemptions": ("nightdraft_preemptions_total", "Requests preempted for KV space"),
@@ -162,7 +167,15 @@ class TritonMetrics:
             metric(attr, family(name, desc, C))
         metric("healthy", family("nightdraft_engine_healthy",
                                  "1 while the engine loop serves; 0 once it has failed and refuses "
-                                 "requests (Triton's own readiness cannot show this)", G)).set(1)
+                                 "requests, or once its drafter could not be restarted", G)).set(1)
+        fam = family("nightdraft_model_state", "What the model does now (1 for the current state): "
+                     "serving; unhealthy (the engine cannot serve); draining (the server stops or "
+                     "unloads the model)", G)
+        for st in MODEL_STATES:
+            metric(f"state:{st}", fam, {"state": st}).set(1 if st == "serving" else 0)
+        metric("probe_errors", family("nightdraft_readiness_probe_errors_total",
+                                      "Polls of the model's own readiness endpoint that got no answer "
+                                      "(they never start a drain)", C))
 
     # ---------------------------------------------------------------- per request
 
@@ -184,6 +197,13 @@ class TritonMetrics:
 
     def set_healthy(self, healthy: bool) -> None:
         self.metrics["healthy"].set(1 if healthy else 0)
+
+    def set_model_state(self, state: str, probe_errors: int) -> None:
+        """The model's state (one of MODEL_STATES) and its readiness probe's errors so far."""
+        with self._lock:
+            for st in MODEL_STATES:
+                self.metrics[f"state:{st}"].set(1 if st == state else 0)
+            self._counter_to("probe_errors", float(probe_errors))
 
     def due(self) -> bool:
         """Would a non-forced update run now? (Lets callers skip computing stats.)"""
@@ -300,3 +320,7 @@ class ModelMetrics:
     def set_healthy(self, healthy: bool) -> None:
         if self.ours is not None:
             self.ours.set_healthy(healthy)
+
+    def set_model_state(self, state: str, probe_errors: int) -> None:
+        if self.ours is not None:
+            self.ours.set_model_state(state, probe_errors)

@@ -10,10 +10,28 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from backend.engine.outputs import RequestOutput
 from backend.sampling.params import SamplingParams
+
+
+# A client's request id is logged at most this long (escaped: it is the client's text).
+MAX_LOGGED_ID = 128
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may hold, checked before any work in proportion to its size is done."""
+    max_prompt_bytes: int          # a text prompt, checked before it is decoded and tokenized
+    max_prompt_tokens: int         # a token prompt, checked before its ids are converted
+    vocab_size: int
+
+    @classmethod
+    def of_engine(cls, engine: Any) -> "RequestLimits":
+        return cls(max_prompt_bytes=engine.max_prompt_bytes, max_prompt_tokens=engine.max_model_len - 1,
+                   vocab_size=engine.target.config.vocab_size)
 
 
 class ServedRequest:
@@ -22,10 +40,12 @@ class ServedRequest:
     stream: bool = False
 
     def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0,
-                 token_text: Any = None):
-        """``token_text(token_id) -> str``: the model's tokenizer, for outputs that spell tokens."""
+                 token_text: Any = None, limits: RequestLimits | None = None):
+        """``token_text(token_id) -> str``: the model's tokenizer, for outputs that spell tokens;
+        ``limits``: sizes refused before parsing (None: the engine checks them alone)."""
         self.pb = pb
         self.token_text = token_text
+        self.limits = limits
         self.request = request
         self.sender = sender
         self.arrival = arrival
@@ -82,7 +102,12 @@ class ServedRequest:
 
     @property
     def label(self) -> str:
-        return self.client_id or self.id
+        """How the request is named in the log: the client's id escaped (a newline in it must not
+        start a log line of its own), or ours."""
+        if not self.client_id:
+            return self.id
+        shown = self.client_id[:MAX_LOGGED_ID].encode("unicode_escape").decode("ascii")
+        return shown + ("..." if len(self.client_id) > MAX_LOGGED_ID else "")
 
 
 def _client_id(request: Any) -> str:

@@ -6,7 +6,9 @@ that falls behind the engine catches up by sending one response per request, not
 step), builds the responses with the request's schema, sends them, and polls
 ``is_cancelled()`` of the requests in flight every ``CANCEL_POLL_S`` (a cancelled request is
 aborted in the engine, which frees its KV blocks at the next step). Every request gets exactly
-one final flag: sent in ``finally``, also when building its response fails.
+one final flag: sent in ``finally``, also when building its response fails. Nothing but ``stop``
+ends the thread: a failure while handling one request's output (building a response, an error
+response, the metrics, an IPC call) is logged, and that request still gets its final flag.
 """
 from __future__ import annotations
 
@@ -71,11 +73,10 @@ class ResponseThread:
     engine aborted (and the client did not cancel) ended: (message, code)."""
 
     def __init__(self, pb: Any, name: str, *, loop: Any, inflight: InflightRequests,
-                 metrics: Any, abort_message: Callable[[], tuple[str, str]],
-                 healthy: Callable[[], bool]):
+                 metrics: Any, abort_message: Callable[[], tuple[str, str]]):
         self.pb, self.name = pb, name
         self.loop, self.inflight, self.metrics = loop, inflight, metrics
-        self._abort_message, self._healthy = abort_message, healthy
+        self._abort_message = abort_message
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = object()
         self._thread = threading.Thread(target=self._run, name=f"{name}-responses", daemon=True)
@@ -97,21 +98,31 @@ class ResponseThread:
     # ---- the thread
 
     def _run(self) -> None:
+        # Nothing may end this thread but stop(): every client in flight, and every later one,
+        # waits on it for its final flag.
         last_poll = time.monotonic()
         while True:
             batch = self._take()
             stopping = any(item is self._stop for item in batch)
             if stopping:   # drain what is queued (finals from the shutdown) before leaving
                 batch += self._take_queued()
-            self._send_batch([item for item in batch if item is not self._stop])
+            items = [item for item in batch if item is not self._stop]
+            try:
+                self._send_batch(items)
+            except Exception:
+                log.error("%s: sending responses failed:\n%s", self.name, traceback.format_exc())
+                for r, out, _ in items:
+                    if out.finished:
+                        self._end(r)
             if stopping:
                 return
             now = time.monotonic()
             if now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
-                self._poll_cancelled()
-                if self.metrics is not None:
-                    self.metrics.set_healthy(self._healthy())
+                try:
+                    self._poll_cancelled()
+                except Exception:
+                    log.error("%s: polling cancellations failed:\n%s", self.name, traceback.format_exc())
 
     def _take(self) -> list:
         """What is queued: wait up to CANCEL_POLL_S for the first item, then take the rest."""
@@ -135,23 +146,42 @@ class ResponseThread:
         latest = {out.request_id: (r, t_out) for r, out, t_out in items}
         for out, first in coalesce([out for _, out, _ in items]):
             r, t_last = latest[out.request_id]
-            self._handle(r, out, items[first][2], t_last)
+            try:
+                self._handle(r, out, items[first][2], t_last)
+            except Exception:   # this request's problem alone
+                log.error("%s: handling an output of request %s failed:\n%s", self.name, r.label,
+                          traceback.format_exc())
+                if out.finished:
+                    self._end(r)
+                else:
+                    self._abort(r)
 
     def _poll_cancelled(self) -> None:
         for r in self.inflight.watched():
             if r.client_cancelled():
+                # Set before the abort: a request still inside submit (being tokenized) is not
+                # known to the engine yet, and the model aborts it after submit when this is set.
                 r.cancelled = True
                 log.info("%s: request %s cancelled by the client; aborting it", self.name, r.label)
-                self.loop.abort(r.id)
+                self._abort(r)
+
+    def _abort(self, r: ServedRequest) -> None:
+        try:
+            self.loop.abort(r.id)
+        except Exception:
+            log.error("%s: aborting request %s failed:\n%s", self.name, r.label, traceback.format_exc())
 
     def _handle(self, r: ServedRequest, out: RequestOutput, t_first: float, t_last: float) -> None:
         if r.final_sent:
             return
         if self.metrics is not None and out.new_token_ids:
             first = r.first_token_at is None
-            self.metrics.observe_tokens(len(out.new_token_ids),
-                                        since_s=(t_last - t_first) if first else t_last - r.last_token_at,
-                                        first_token_s=(t_first - r.arrival) if first else None)
+            try:   # what the metrics do never changes what the client gets
+                self.metrics.observe_tokens(len(out.new_token_ids),
+                                            since_s=(t_last - t_first) if first else t_last - r.last_token_at,
+                                            first_token_s=(t_first - r.arrival) if first else None)
+            except Exception:
+                log.error("%s: recording token metrics failed:\n%s", self.name, traceback.format_exc())
         r.track(out, t_first, t_last)
         if not out.finished:
             try:
@@ -161,7 +191,7 @@ class ResponseThread:
             except Exception:
                 log.error("%s: sending a partial response failed; aborting the request:\n%s",
                           self.name, traceback.format_exc())
-                self.loop.abort(r.id)
+                self._abort(r)
             return
         response = None
         try:
@@ -183,22 +213,47 @@ class ResponseThread:
         return r.final_response(out)
 
     def _send_final(self, r: ServedRequest, response: Any) -> None:
+        """The final response (None: the final flag alone)."""
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if response is None:
+            self._send_flag(r)
+            return
         try:
             r.sender.send(response, flags=final)
         except Exception:
             log.error("%s: sending the final response failed:\n%s", self.name, traceback.format_exc())
-            try:  # at least the flag, so the client is not left waiting
-                r.sender.send(flags=final)
-            except Exception:
-                pass
+            self._send_flag(r)   # at least the flag, so the client is not left waiting
+
+    def _send_flag(self, r: ServedRequest) -> None:
+        try:
+            r.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            log.error("%s: sending the final flag of request %s failed:\n%s", self.name, r.label,
+                      traceback.format_exc())
+
+    def _end(self, r: ServedRequest) -> None:
+        """A request whose final output could not be handled: its final flag, if not sent yet."""
+        if r.final_sent:
+            return
+        r.final_sent = True
+        self.inflight.remove(r)
+        try:
+            response = error_response(self.pb, "internal error: the final response could not be built", "INTERNAL")
+        except Exception:
+            response = None
+        self._send_final(r, response)
 
     def _finish(self, r: ServedRequest, out: RequestOutput) -> None:
         r.final_sent = True
         self.inflight.remove(r)
-        if self.metrics is not None:
+        if self.metrics is None:
+            return
+        try:
             ttft, tpot = r.latencies()
             reason = "abort" if r.cancelled else out.finish_reason
             self.metrics.observe_request(ttft_s=ttft, tpot_s=tpot, e2e_s=time.monotonic() - r.arrival,
                                          finish_reason=reason, prompt_tokens=r.num_prompt_tokens,
                                          generation_tokens=r.num_output_tokens)
+        except Exception:   # the request's final flag comes next, whatever the metrics do
+            log.error("%s: recording the metrics of request %s failed:\n%s", self.name, r.label,
+                      traceback.format_exc())

@@ -11,12 +11,15 @@ Outputs: ``text_output`` (a UTF-8-safe delta per streamed response; the whole te
 after the prompt unless ``exclude_input_in_output``), ``finish_reason`` (``None`` on non-final
 responses), ``cumulative_logprob`` (FP32, the sum over the tokens so far), ``logprobs`` (JSON: per
 token of the response, {token id: {logprob, rank, decoded_token}} for the generated token and the
-``logprobs`` most likely ones; ``null`` unless ``sampling_parameters`` has ``logprobs``),
+``logprobs`` most likely ones; ``null`` unless ``sampling_parameters`` has ``logprobs``; strict JSON:
+a token the processed distribution rules out, e.g. beyond ``top_k``, has logprob -9999.0 as in
+OpenAI's API, never -Infinity),
 ``num_input_tokens``, ``num_output_tokens`` (per response when streaming).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -25,10 +28,10 @@ import numpy as np
 from backend.engine.outputs import RequestOutput
 from backend.errors import InvalidRequest
 from backend.sampling.params import SamplingParams
-from backend.serving.inputs import (input_int, input_str, optional_scalar, request_parameters,
+from backend.serving.inputs import (check_size, input_int, optional_scalar, request_parameters,
                                     sampling_parameters)
-from backend.serving.request import ServedRequest
-from backend.values import to_bool
+from backend.serving.request import RequestLimits, ServedRequest
+from backend.values import to_bool, to_str
 
 # Sampling knobs that may also come as tensor inputs (they win over sampling_parameters).
 SAMPLING_TENSORS = ("ignore_eos", "min_tokens")
@@ -37,15 +40,21 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cu
          "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")
 # The vLLM backend's wording: clients match on it.
 STREAM_WITH_PROMPT = "When streaming, `exclude_input_in_output` = False is not allowed."
+# The logprob JSON carries for a token the processed distribution rules out (OpenAI's value).
+MASKED_LOGPROB = -9999.0
 
 
 class TextRequest(ServedRequest):
 
-    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0, token_text: Any = None):
-        super().__init__(pb, request, sender, arrival, token_text)
-        prompt = input_str(pb, request, "text_input")
-        if prompt is None:
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0, token_text: Any = None,
+                 limits: RequestLimits | None = None):
+        super().__init__(pb, request, sender, arrival, token_text, limits)
+        raw_prompt = optional_scalar(pb, request, "text_input")
+        if raw_prompt is None:
             raise InvalidRequest("missing required input 'text_input'")
+        if limits is not None:    # before decoding it, as the engine checks it before tokenizing
+            check_size("the prompt", raw_prompt, limits.max_prompt_bytes, "max_prompt_bytes")
+        prompt = to_str("input 'text_input'", raw_prompt)
         if not prompt:
             raise InvalidRequest("input 'text_input' is empty")
         self.prompt = prompt
@@ -117,7 +126,7 @@ class TextRequest(ServedRequest):
                                        np.array([out.cumulative_logprob or 0.0], dtype=np.float32)))
         if self.return_logprobs:
             tensors.append(self.tensor("logprobs", _strings(json.dumps(
-                [self._entry(t) for t in self._logprobs] if self.logprobs_asked else None))))
+                [self._entry(t) for t in self._logprobs] if self.logprobs_asked else None, allow_nan=False))))
         if self.return_num_input_tokens:
             tensors.append(self.tensor("num_input_tokens", np.array([self.num_prompt_tokens], dtype=np.uint32)))
         if self.return_num_output_tokens:
@@ -127,9 +136,9 @@ class TextRequest(ServedRequest):
 
     def _entry(self, t) -> dict[str, dict]:
         """One token in the vLLM backend's format: the generated token and the most likely ones."""
-        entry = {str(tid): {"logprob": lp, "rank": rank + 1, "decoded_token": self.token_text(tid)}
+        entry = {str(tid): {"logprob": json_logprob(lp), "rank": rank + 1, "decoded_token": self.token_text(tid)}
                  for rank, (tid, lp) in enumerate(t.top)}
-        entry.setdefault(str(t.token), {"logprob": t.logprob, "rank": t.rank,
+        entry.setdefault(str(t.token), {"logprob": json_logprob(t.logprob), "rank": t.rank,
                                         "decoded_token": self.token_text(t.token)})
         return entry
 
@@ -142,6 +151,13 @@ def _options(pb: Any, request: Any, raw: dict[str, Any]) -> dict[str, bool]:
         if v is not None:
             flags[name] = v
     return {k: to_bool(k, v) for k, v in flags.items()}
+
+
+def json_logprob(lp: float) -> float:
+    """A logprob as strict JSON can carry it: a token the processed distribution rules out (-inf,
+    e.g. beyond top_k) is -9999.0, OpenAI's convention; JSON has no -Infinity or NaN."""
+    lp = float(lp)
+    return lp if math.isfinite(lp) else MASKED_LOGPROB
 
 
 def _strings(text: str) -> np.ndarray:

@@ -19,7 +19,7 @@ from backend.engine.outputs import RequestOutput
 from backend.errors import InvalidRequest
 from backend.sampling.params import SamplingParams
 from backend.serving.inputs import input_int, optional_scalar, sampling_parameters
-from backend.serving.request import ServedRequest
+from backend.serving.request import RequestLimits, ServedRequest
 from backend.values import to_bool
 
 SCALARS = {  # TensorRT-LLM input name -> SamplingParams key
@@ -33,9 +33,10 @@ SCALARS = {  # TensorRT-LLM input name -> SamplingParams key
 
 class TokenRequest(ServedRequest):
 
-    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0, token_text: Any = None):
-        super().__init__(pb, request, sender, arrival, token_text)
-        self.prompt = _input_ids(pb, request)
+    def __init__(self, pb: Any, request: Any, sender: Any = None, arrival: float = 0.0, token_text: Any = None,
+                 limits: RequestLimits | None = None):
+        super().__init__(pb, request, sender, arrival, token_text, limits)
+        self.prompt = _input_ids(pb, request, limits)
         raw = sampling_parameters(pb, request)
         self.stream = False
         if "streaming" in raw or "stream" in raw:
@@ -76,7 +77,8 @@ class TokenRequest(ServedRequest):
         ])
 
 
-def _input_ids(pb: Any, request: Any) -> list[int]:
+def _input_ids(pb: Any, request: Any, limits: RequestLimits | None) -> list[int]:
+    """The prompt's ids, their count and range checked on the array, before any is converted."""
     t = pb.get_input_tensor_by_name(request, "input_ids")
     if t is None:
         raise InvalidRequest("missing required input 'input_ids'")
@@ -90,4 +92,12 @@ def _input_ids(pb: Any, request: Any) -> list[int]:
         ids = ids[:n]
     if ids.size == 0:
         raise InvalidRequest("input 'input_ids' is empty")
-    return [int(x) for x in ids]
+    if limits is not None:
+        if ids.size > limits.max_prompt_tokens:
+            raise InvalidRequest(f"input 'input_ids' has {ids.size} ids; the context holds "
+                                 f"{limits.max_prompt_tokens + 1} tokens, leaving no room to generate")
+        outside = (ids < 0) | (ids >= limits.vocab_size)
+        if outside.any():
+            raise InvalidRequest(f"token id(s) {ids[outside][:5].tolist()} outside the vocabulary "
+                                 f"[0, {limits.vocab_size})")
+    return ids.tolist()
