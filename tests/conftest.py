@@ -147,3 +147,32 @@ def triton_server(tmp_path_factory):
     rc = server.stop(timeout_s=60)
     if rc not in (0, None):
         print(f"\ntritonserver exited with code {rc}; log: {log_file}\n{server.log_tail(40)}")
+
+
+# ---- engine tests: prompts and the plain-decoding reference -----------------------------------
+#
+# A module that uses them says which prompts (PROMPT_CUTS = (n, first, stride, span): see
+# helpers.engines.code_prompts) and which greedy parameters (GREEDY); modules that ask for the
+# same get the same lists, decoded once per session.
+
+_plain_outputs_cache: dict = {}
+
+
+@pytest.fixture(scope="module")
+def prompts(request):
+    from helpers.engines import code_prompts
+    cuts = getattr(request.module, "PROMPT_CUTS", None)
+    if cuts is None:
+        pytest.fail(f"{request.module.__name__} uses `prompts` without PROMPT_CUTS", pytrace=False)
+    return code_prompts(*cuts)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(request, prompts):
+    """Plain decoding's tokens for `prompts` with the module's GREEDY parameters."""
+    from helpers.engines import plain_outputs
+    params = request.module.GREEDY
+    key = (tuple(prompts), params)
+    if key not in _plain_outputs_cache:
+        _plain_outputs_cache[key] = plain_outputs(prompts, params)
+    return [list(o) for o in _plain_outputs_cache[key]]

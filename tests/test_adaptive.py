@@ -1,31 +1,15 @@
 """mode = "auto": the planner switches gamma and mode, and offloads the drafter, losslessly."""
 import pytest
-import torch
 
 from backend.engine.engine import Engine
 from backend.engine.config import ConfigError, EngineConfig
-from backend.model.kv_cache import PagedKVCache
-from backend.model.config import ModelConfig
 from backend.sampling.params import SamplingParams
+from helpers.arms import force_arms
+from helpers.engines import block_bytes
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[: 20 + 29 * i % 250] for i, p in enumerate(load_prompts(n=24))]
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(prompts):
-    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
-    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
-
-
-def block_bytes() -> int:
-    return PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
+PROMPT_CUTS = (24, 20, 29, 250)      # the conftest's `prompts` and `ar_outputs`
 
 
 def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outputs):
@@ -67,6 +51,17 @@ def test_offload_then_reload_under_auto(prompts, ar_outputs):
         assert engine.stats().offloads == 1
         assert engine.drafter.state == "offloaded"
         assert engine.kv.num_blocks > 24, "the freed drafter bytes did not grow the target pool"
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        # Then speculation is chosen (scripted: this planner may only decode plainly): the
+        # controller starts the reload, decodes plainly until the weights are back, then drafts.
+        force_arms(engine, [("sd", 4)])
+        drafted = engine.stats().drafted_tokens
+        out = engine.generate(prompts[12:16], GREEDY, max_concurrency=1)
+        assert [c.output_ids for c in out] == ar_outputs[12:16]
+        st = engine.stats()
+        assert st.reloads == 1 and engine.drafter.state == "on_device", "the drafter did not come back"
+        assert engine.kv.num_blocks == 24, "the lent blocks did not go back to the drafter"
+        assert st.drafted_tokens > drafted, "no drafts after the reload"
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     finally:
         engine.close()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from test_triton_e2e import is_final, stream_request
+from helpers.triton import infer_raw
 
 pytestmark = pytest.mark.slow
 
@@ -94,23 +94,6 @@ CATALOGUE = {
 }
 
 
-def infer_raw(server, inputs, model: str = "nightdraft"):
-    """One request on its own stream; (text of the responses, error messages, final flag seen:
-    an error ends the request, its final flag comes with it)."""
-    import tritonclient.grpc as grpcclient
-
-    ins = []
-    for name, arr, dt in inputs:
-        t = grpcclient.InferInput(name, list(arr.shape), dt)
-        t.set_data_from_numpy(arr)
-        ins.append(t)
-    responses, errors, closed = stream_request(server, ins, model)
-    texts = [x.decode() for r in responses if (out := r.as_numpy("text_output")) is not None
-             for x in out.reshape(-1)]
-    final = bool(errors) or bool(responses) and is_final(responses[-1])
-    return "".join(texts), errors, final and closed
-
-
 @pytest.fixture(scope="module")
 def reference(triton_server):
     """The well-formed request's output from the offline engine, same configuration as the server."""
@@ -123,34 +106,39 @@ def reference(triton_server):
     threads = torch.get_num_threads()
     try:
         engine = Engine(EngineConfig.from_dict(dict(triton_server.engine_config)))
-        params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True)
         return engine.generate([GOOD_PROMPT], params)[0].text
     finally:
         torch.set_num_threads(threads)
 
 
 GOOD_PROMPT = "def parse(argv):\n"
+# Long enough to be still streaming when the last bad request has been answered (checked).
+GOOD_TOKENS = 900
 GOOD_INPUTS = [("text_input", s(GOOD_PROMPT), "BYTES"), ("stream", np.array([True]), "BOOL"),
-               sp({"max_tokens": 160, "temperature": 0, "ignore_eos": True})]
-
-
-def test_the_catalogue_has_thirty_cases_or_more():
-    assert len(CATALOGUE) >= 30
+               sp({"max_tokens": GOOD_TOKENS, "temperature": 0, "ignore_eos": True})]
 
 
 def test_every_bad_request_gets_its_own_error_and_spares_a_stream_in_flight(triton_server, reference):
     good: dict = {}
-    t = threading.Thread(target=lambda: good.update(out=infer_raw(triton_server, GOOD_INPUTS)), daemon=True)
+    started = threading.Event()
+    t = threading.Thread(target=lambda: good.update(out=infer_raw(
+        triton_server, GOOD_INPUTS, on_response=lambda _r: started.set())), daemon=True)
     t.start()
-    time.sleep(0.5)                       # the good stream is under way
+    assert started.wait(T), "the good stream never produced a response"
     wrong = {}
-    for case, (inputs, words) in CATALOGUE.items():
-        _, errors, final = infer_raw(triton_server, inputs)
+    with ThreadPoolExecutor(8) as pool:         # (8 at a time: all of them while the good one runs)
+        answers = dict(zip(CATALOGUE, pool.map(lambda c: infer_raw(triton_server, c[0]), CATALOGUE.values())))
+    for case, (_, words) in CATALOGUE.items():
+        _, errors, final = answers[case]
         if not errors or words.lower() not in errors[0].lower() or not final:
             wrong[case] = (errors[:1], final)
+    in_flight = t.is_alive()      # the good stream ran through every bad request
     t.join(T)
     assert not wrong, "cases without their specific error or final flag:\n" + "\n".join(
         f"  {c}: {e}, final={f}" for c, (e, f) in wrong.items())
+    assert in_flight, (f"the good stream ({GOOD_TOKENS} tokens) ended before the last bad request: "
+                       "the test did not test a stream in flight")
     text, errors, final = good["out"]
     assert not errors and final
     assert text == reference, "a bad request changed another request's output"

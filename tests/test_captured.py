@@ -123,10 +123,7 @@ def _engine(**kw):
     return Engine(EngineConfig(**(base | kw)))
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[:60 + 37 * i % 200] for i, p in enumerate(load_prompts(n=6))]
+PROMPT_CUTS = (6, 60, 37, 200)      # the conftest's `prompts`
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from backend.engine.engine import Engine
 from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the drafter")
+pytestmark = [pytest.mark.slow,    # drafter worker processes
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the drafter")]
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(3):\n"]

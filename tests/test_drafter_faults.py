@@ -18,14 +18,13 @@ import threading
 import time
 
 import pytest
-import torch
 
 from backend.speculation.worker import RemoteDrafter
 from backend.engine.engine import Engine
 from backend.engine.config import EngineConfig
-from backend.model.kv_cache import PagedKVCache
-from backend.model.config import ModelConfig
 from backend.sampling.params import SamplingParams
+from helpers.arms import force_arms
+from helpers.engines import block_bytes
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 pytestmark = pytest.mark.slow   # worker processes
@@ -33,22 +32,7 @@ pytestmark = pytest.mark.slow   # worker processes
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 SCENARIO_TIMEOUT_S = 90
 BASE_BLOCKS = 40
-
-
-def block_bytes() -> int:
-    return PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[: 40 + 53 * i % 250] for i, p in enumerate(load_prompts(n=8))]
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(prompts):
-    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
-    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
+PROMPT_CUTS = (8, 40, 53, 250)      # the conftest's `prompts` and `ar_outputs`
 
 
 def make_engine(mode: str) -> Engine:
@@ -225,6 +209,7 @@ def test_worker_faults_lose_nothing(mode, phase, prompts, ar_outputs, monkeypatc
             pytest.fail(f"auto: the planner never reached phase {phase} (offloads "
                         f"{engine.memory.offloads}, reloads {engine.memory.reloads})")
         assert fault.fired_pid is not None, f"phase {phase} was never reached"
+        assert engine.stats().drafted_tokens > 0, f"{mode}: nothing was ever drafted"
         assert set(reasons.values()) == {"length"} and len(reasons) == len(prompts)
         assert [tokens[i] for i in range(len(prompts))] == ar_outputs
         if phase == "stopped_during_reload":     # only the reload's deadline notices it
@@ -246,10 +231,11 @@ def test_worker_faults_lose_nothing(mode, phase, prompts, ar_outputs, monkeypatc
                 engine.step()
                 time.sleep(0.01)
         engine.set_gamma(3)
+        if mode == "auto":          # its planner might choose plain decoding for one request
+            force_arms(engine, [("sd", 3)])
         before = engine.stats().drafted_tokens
         engine.generate([prompts[0]], GREEDY)
-        if mode != "auto":          # (auto's planner may choose plain decoding for one request)
-            assert engine.stats().drafted_tokens > before, "the new worker does not draft"
+        assert engine.stats().drafted_tokens > before, "the new worker does not draft"
     finally:
         with_stopped = [p for p in (fault.fired_pid,) if p]
         for pid in with_stopped:     # never leave a stopped process behind
@@ -283,10 +269,13 @@ def test_a_step_that_fails_between_drafting_and_collecting_leaves_the_protocol_i
     engine = make_engine("psd")
     run = engine._run
     calls = {"n": 0}
+    in_flight_at_failure = []
 
     def fails_once(batch, step):
         calls["n"] += 1
-        if calls["n"] == 6:
+        owed = engine.drafter.drafter._in_flight      # the call id of a proposal not yet collected
+        if calls["n"] >= 6 and not in_flight_at_failure and owed is not None:
+            in_flight_at_failure.append(owed)
             raise RuntimeError("injected: the step fails after drafting began")
         return run(batch, step)
     engine._run = fails_once
@@ -300,10 +289,12 @@ def test_a_step_that_fails_between_drafting_and_collecting_leaves_the_protocol_i
                 outs = engine.step()
             except RuntimeError as e:
                 assert "injected" in str(e), f"a later step failed too: {e}"
+                assert engine.drafter.drafter._in_flight is None, "the proposal in flight was left uncollected"
                 failures += 1
                 continue
             for o in outs:
                 tokens[int(o.request_id)] += o.new_token_ids
+        assert in_flight_at_failure, "no step ran while a proposal was in flight"
         assert failures == 1 and engine.stats().psd_overlapped_steps > 0
         assert engine.drafter.failures == 0, "the worker was blamed for the engine's failure"
         assert [tokens[i] for i in range(len(prompts))] == ar_outputs

@@ -1,13 +1,14 @@
 """The engine end to end, in-process: lossless speculation, batching, preemption, no leaks."""
 import pytest
-import torch
 
 from backend.engine.engine import Engine
 from backend.engine.config import ConfigError, EngineConfig
 from backend.sampling.params import InvalidRequest, SamplingParams
+from helpers.engines import assert_no_leaks, block_bytes
 from model_factory import TINY_DRAFTER, TINY_TARGET, save_random_llama, truncated_copy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT_CUTS = (16, 20, 37, 400)      # the conftest's `prompts` and `ar_outputs`: mixed lengths
 
 
 @pytest.fixture(scope="module")
@@ -24,28 +25,6 @@ def make_engine(target=TINY_TARGET, drafter=TINY_DRAFTER, **kw) -> Engine:
     kw.setdefault("kv_cache_bytes", 16 << 20)
     kw.setdefault("mode", "sd" if drafter else "ar")
     return Engine(EngineConfig(target=str(target), drafter=str(drafter) if drafter else None, **kw))
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    ps = load_prompts(n=16)
-    # Mixed lengths: cut every prompt differently.
-    return [p[: 20 + 37 * i % 400] for i, p in enumerate(ps)]
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(prompts):
-    engine = make_engine(drafter=None)
-    return [c.output_ids for c in engine.generate(prompts, GREEDY)]
-
-
-def assert_no_leaks(engine: Engine) -> None:
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "target KV blocks leaked"
-    if engine.drafter is not None:
-        assert engine.drafter.kv_usage == 0.0, "drafter KV blocks leaked"
-        assert engine.drafter.num_sequences() == 0
-    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("gamma", range(1, 9))
@@ -124,7 +103,7 @@ def test_preemption_by_recompute_loses_nothing(prompts):
     expected = [c.output_ids for c in ar.generate(prompts, long)]
     need = [-(-(len(ar.tokenizer.encode(p)) + long.max_tokens) // 16) for p in prompts]
     blocks = max(max(need) + 2, sum(need) // 3)
-    engine = make_engine(gamma=4, kv_cache_bytes=blocks * _block_bytes(), block_size=16)
+    engine = make_engine(gamma=4, kv_cache_bytes=blocks * block_bytes(), block_size=16)
     out = engine.generate(prompts, long)
     assert [c.output_ids for c in out] == expected
     assert engine.stats().preemptions > 0
@@ -136,7 +115,7 @@ def test_admission_leaves_running_sequences_room_to_grow():
     from backend.batching.sequence import Sequence
     from backend.batching.scheduler import GROWTH_HEADROOM_TOKENS, Scheduler
     from backend.model.config import ModelConfig
-    kv = PagedKVCache.for_model(ModelConfig.from_pretrained(TINY_TARGET), 8 * _block_bytes(), block_size=16)
+    kv = PagedKVCache.for_model(ModelConfig.from_pretrained(TINY_TARGET), 8 * block_bytes(), block_size=16)
     assert kv.num_blocks == 8
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=4096)
     seqs = [Sequence(request_id=str(i), token_ids=list(range(1, 31)), num_prompt_tokens=30,
@@ -150,12 +129,6 @@ def test_admission_leaves_running_sequences_room_to_grow():
     assert GROWTH_HEADROOM_TOKENS == 16
     assert [s.seq.request_id for s in batch] == ["0", "1"]
     assert kv.num_free_blocks == 4 and len(sched.waiting) == 2
-
-
-def _block_bytes() -> int:
-    from backend.model.kv_cache import PagedKVCache
-    from backend.model.config import ModelConfig
-    return PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
 
 
 def test_abort_frees_blocks_and_others_carry_on(prompts, ar_outputs):

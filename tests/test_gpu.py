@@ -3,8 +3,9 @@
 Marked `gpu`; skipped (with the reason) where torch sees no CUDA device. scripts/gpu_check.sh runs
 these on a GPU machine (`pytest -m gpu`). Checked: the weights and the KV cache land on the device
 named in the configuration, greedy speculation stays lossless on CUDA with the drafter in the
-target's process, in a second process on the same GPU, and on a second GPU, and bf16 (the GPU
-default) serves whole requests without leaking KV blocks.
+target's process, in a second process on the same GPU, and on a second GPU; sampled speculation
+passes the engine-level exactness check there too; and bf16 (the GPU default) serves whole
+requests without leaking KV blocks.
 """
 from __future__ import annotations
 
@@ -40,10 +41,7 @@ def make_engine(**kw):
     return Engine(EngineConfig(target=str(TINY_TARGET), **kw))
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[: 40 + 29 * i % 300] for i, p in enumerate(load_prompts(n=12))]
+PROMPT_CUTS = (12, 40, 29, 300)      # the conftest's `prompts`
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +108,24 @@ def test_bf16_serves_whole_requests(prompts):
     out, stats = run(make_engine(gamma=4, dtype="bfloat16"), prompts, concurrency=12)
     assert [len(o) for o in out] == [GREEDY.max_tokens] * len(prompts)
     assert stats.drafted_tokens > 0 and 0.0 <= stats.accepted_tokens <= stats.drafted_tokens
+
+
+@pytest.mark.parametrize("drafter_device", [None, "cuda:0"], ids=["drafter_in_process", "drafter_own_process"])
+def test_sampled_tokens_follow_the_target_on_cuda(drafter_device):
+    """Sampled speculation on CUDA (the device's generators, the drafter's probabilities as CUDA
+    IPC tensors when it has its own process) passes the engine-level exactness check of
+    tests/test_sampling_exactness.py: every token verification decided, against the target's
+    conditional computed by transformers on the CPU (KS at 1e-3 over 4800 values)."""
+    pytest.importorskip("scipy.stats")
+    from helpers.exactness import assert_exact, load_target_hf, prompt_ids
+    prompt, temperature, n = "print(", 0.8, 1200
+    engine = make_engine(gamma=3, gamma_max=3, drafter_device=drafter_device)
+    try:
+        params = [SamplingParams(max_tokens=5, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+        runs = [c.output_ids for c in engine.generate([prompt] * n, params, max_concurrency=48)]
+        st = engine.stats()
+        assert st.drafted_tokens > 0 and 0 < st.acceptance_rate < 1
+    finally:
+        engine.close()
+    assert_exact(load_target_hf(), prompt_ids(prompt), runs, f"cuda, drafter {drafter_device or 'in process'}",
+                 temperature=temperature)

@@ -19,7 +19,7 @@ from backend.errors import ConfigError
 from backend.serving.instance import place
 from conftest import start_ready, test_engine_config
 from model_factory import TINY_DRAFTER, TINY_TARGET
-from test_vllm_args import Pb, model_args, write
+from helpers.model_args import Pb, model_args, write
 
 
 def placed(kind, device_id=0, device=None, drafter=None, vllm=None, model_json_only=False, gpus=4):

@@ -3,30 +3,32 @@ decoding gives, and the values are the target model's own (checked against trans
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling.params import SamplingParams
+from helpers.arms import StepModes, force_arms
+from helpers.engines import tiny_engine
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, x):\n"]
 GREEDY_LP = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
-def run(engine: Engine, params: SamplingParams) -> dict[int, tuple[list[int], list, float]]:
+def run(engine: Engine, params: SamplingParams, on_step=None) -> dict[int, tuple[list[int], list, float]]:
     out = {i: ([], [], None) for i in range(len(PROMPTS))}
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, params)
     while engine.has_unfinished():
-        for o in engine.step():
+        outs = engine.step()
+        for o in outs:
             ids, lps, _ = out[int(o.request_id)]
             out[int(o.request_id)] = (ids + o.new_token_ids, lps + (o.logprobs or []), o.cumulative_logprob)
+        if on_step is not None:
+            on_step(outs)
     return out
 
 
 def engine(mode: str) -> Engine:
-    return Engine(EngineConfig(target=str(TINY_TARGET), drafter=None if mode == "ar" else str(TINY_DRAFTER),
-                               mode=mode, gamma=4, kv_cache_bytes=16 << 20,
-                               drafter_device="cpu" if mode in ("psd", "auto") else None))
+    return tiny_engine(mode, None if mode == "ar" else TINY_DRAFTER, gamma=4)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,17 @@ def test_sd_gives_plain_decodings_logprobs(plain):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["psd", "auto"])
 def test_psd_and_auto_give_plain_decodings_logprobs(mode, plain):
+    """auto with its arms forced in turn (plain decoding, sd, psd), so each kind of step decides
+    some of the tokens whose logprobs are compared."""
     e = engine(mode)
     try:
-        assert_same_logprobs(run(e, GREEDY_LP), plain, mode)
+        if mode == "auto":
+            force_arms(e, [("ar", 0), ("sd", 4), ("psd", 4)], hold=2)
+        modes = StepModes(e)
+        assert_same_logprobs(run(e, GREEDY_LP, on_step=modes), plain, mode)
+        assert modes["psd"] > 0, modes
+        if mode == "auto":
+            assert modes["ar"] > 0 and modes["sd"] > 0, modes
     finally:
         e.close()
 

@@ -7,30 +7,18 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.engine.config import EngineConfig
-from backend.model.kv_cache import PagedKVCache
 from backend.engine.memory import ElasticMemory
 from backend.sampling.params import SamplingParams
+from helpers.engines import block_bytes
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[: 30 + 23 * i % 200] for i, p in enumerate(load_prompts(n=10))]
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(prompts):
-    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
-    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
+PROMPT_CUTS = (10, 30, 23, 200)      # the conftest's `prompts` and `ar_outputs`
 
 
 def sd_engine_with_memory(kv_blocks: int) -> tuple[Engine, ElasticMemory]:
     """A fixed-mode engine and its own elastic memory (which no planner drives here)."""
-    from backend.model.config import ModelConfig
-    block = PagedKVCache.bytes_per_block(ModelConfig.from_pretrained(TINY_TARGET), 16, torch.float32)
+    block = block_bytes()
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), gamma=4,
                                  kv_cache_bytes=kv_blocks * block))
     assert isinstance(engine.memory, ElasticMemory) and engine.memory.block_bytes == block

@@ -240,7 +240,8 @@ def test_rollback_then_refeed_matches_fresh_run(saved, attention, name):
 
     expected = ref_logits(ref, prompt + draft[:1] + fixed)
     assert_close(logits, expected[11:16])
-    # and identical (not just close) to a fresh run of our own through a fresh cache
+    # and close to a fresh run of our own through a fresh cache (not bit-identical: the chunked and
+    # the whole prefill multiply in different shapes; about 3e-6 apart on this CPU)
     fresh, _ = step(model, new_cache(model, block_size=4), [("y", 0, prompt + draft[:1] + fixed)])
     assert_close(logits, fresh[11:16])
 

@@ -12,9 +12,12 @@ from backend.engine.engine import Engine
 from backend.sampling.params import SamplingParams
 from backend.speculation.ngram import NgramProposer, NgramShadow
 from backend.speculation.proposer import DraftRequest
+from helpers import exactness
+from helpers.arms import StepModes, force_arms
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+SAMPLED_RUNS = 1200
 # Code that repeats itself, as edits and refactors do; and prose the code model has no copy of.
 COPY_PROMPTS = [
     "def area(w, h):\n    return w * h\n\n\ndef area(w, h):\n",
@@ -138,15 +141,24 @@ def plain_greedy():
 
 @pytest.mark.parametrize("mode", ["sd", "auto"])
 def test_ngram_greedy_output_equals_plain_decoding(mode, plain_greedy):
+    """auto: its arms forced in turn (plain decoding, then n-gram drafts), so both kinds of step run."""
     e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", mode=mode, gamma=4,
                             kv_cache_bytes=16 << 20))
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    assert generate(e, COPY_PROMPTS + FREE_PROMPTS, params) == plain_greedy
-    st = e.stats()
-    if mode == "sd":
+    try:
+        if mode == "auto":
+            force_arms(e, [("ar", 0), ("sd", 4)], hold=2)
+        modes = StepModes(e)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        prompts = COPY_PROMPTS + FREE_PROMPTS
+        out = [c.output_ids for c in e.generate(prompts, [params] * len(prompts), max_concurrency=4, on_step=modes)]
+        assert out == plain_greedy
+        st = e.stats()
         assert st.drafted_tokens > 0 and st.accepted_tokens > 0, "n-gram drafts were never used"
         assert st.target_calls < sum(len(o) for o in plain_greedy), "speculation saved no target calls"
-    e.close()
+        if mode == "auto":
+            assert modes["ar"] > 0 and modes["sd"] > 0, modes
+    finally:
+        e.close()
 
 
 def test_proposer_both_needs_a_drafter_and_mode_auto():
@@ -202,55 +214,44 @@ def test_a_request_that_opts_out_gets_no_ngram_drafts():
     e.close()
 
 
+SAMPLED_PROMPT = "import os\nimport sys\nimport os\nimport sys\nimport "
+
+
 @pytest.mark.slow
 def test_ngram_sampled_tokens_follow_the_target():
-    """The engine-level chi-square check of tests/test_sampling_exactness.py, with n-gram drafts:
-    a prompt that repeats itself, so that after its likely first tokens the 2nd and 3rd are
-    drafted from the prompt (and sometimes rejected)."""
-    import test_sampling_exactness as exactness
-
-    hf = exactness.load_target_hf()
-    from backend.model.tokenizer import Tokenizer
-    prompt = "import os\nimport sys\nimport os\nimport sys\nimport "
-    ids = Tokenizer.from_pretrained(str(TINY_TARGET)).encode(prompt)
-    m2 = exactness.marginal_after(hf, ids)
-    t1 = int(exactness.next_probs(hf, [ids])[0].argmax())
-    m3 = exactness.marginal_after(hf, ids + [t1])
+    """The engine-level exactness check (tests/helpers/exactness.py) with n-gram drafts: a prompt
+    that repeats itself, so that after its likely first tokens the 2nd and 3rd are drafted from
+    the prompt (and sometimes rejected)."""
     e = Engine(EngineConfig(target=str(TINY_TARGET), proposer="ngram", ngram_min=1, gamma=3,
                             kv_cache_bytes=32 << 20))
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(exactness.N)]
-    runs = [c.output_ids for c in e.generate([prompt] * len(params), params, max_concurrency=48)]
-    st = e.stats()
-    assert st.drafted_tokens > 0 and 0 < st.acceptance_rate < 1, "the test needs drafts, some rejected"
-    exactness.check((ids, m2, t1, m3), runs, "ngram")
-    e.close()
+    try:
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(SAMPLED_RUNS)]
+        runs = [c.output_ids for c in e.generate([SAMPLED_PROMPT] * len(params), params, max_concurrency=48)]
+        st = e.stats()
+        assert st.drafted_tokens > 0 and 0 < st.acceptance_rate < 1, "the test needs drafts, some rejected"
+    finally:
+        e.close()
+    exactness.assert_exact(exactness.load_target_hf(), exactness.prompt_ids(SAMPLED_PROMPT), runs, "ngram")
 
 
+@pytest.mark.slow
 def test_proposer_both_sampled_tokens_follow_the_target():
-    """The same chi-square check with the planner moving between the drafter model, n-gram
-    drafts and plain decoding inside each request's tokens. A cold start (no cost profile) makes
-    the bandit try every untried arm first, so every kind of step runs whatever the timings."""
-    import test_sampling_exactness as exactness
-
-    hf = exactness.load_target_hf()
-    from backend.model.tokenizer import Tokenizer
-    prompt = "import os\nimport sys\nimport os\nimport sys\nimport "
-    ids = Tokenizer.from_pretrained(str(TINY_TARGET)).encode(prompt)
-    t1 = int(exactness.next_probs(hf, [ids])[0].argmax())
-    exact = (ids, exactness.marginal_after(hf, ids), t1, exactness.marginal_after(hf, ids + [t1]))
+    """The same check with the planner moving between the drafter model, n-gram drafts and plain
+    decoding inside each request's tokens. A cold start (no cost profile) makes the bandit try
+    every untried arm first; the step counts by mode show that every kind of step ran."""
     e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), proposer="both",
                             mode="auto", gamma=2, gamma_max=2, planner_cost_profile="off",
                             kv_cache_bytes=32 << 20))
-    modes = Counter()
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(exactness.N)]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(SAMPLED_RUNS)]
     try:
-        runs = [c.output_ids for c in e.generate([prompt] * len(params), params, max_concurrency=48,
-                                                on_step=lambda _o: modes.update([e.stats().last_step.mode]))]
+        modes = StepModes(e)
+        runs = [c.output_ids for c in e.generate([SAMPLED_PROMPT] * len(params), params, max_concurrency=48,
+                                                on_step=modes)]
         assert modes["ngram"] > 0 and modes["sd"] > 0 and modes["ar"] > 0, modes
         assert e.stats().drafted_tokens > 0 and 0 < e.stats().acceptance_rate < 1
-        exactness.check(exact, runs, "both")
     finally:
         e.close()
+    exactness.assert_exact(exactness.load_target_hf(), exactness.prompt_ids(SAMPLED_PROMPT), runs, "both")
 
 
 @pytest.mark.slow
@@ -262,7 +263,7 @@ def test_ngram_through_tritonserver_serves_plain_decodings_text(tmp_path):
 
     from client.triton_client import GrpcClient
     from conftest import nightdraft_only_server, test_engine_config
-    from test_triton_e2e import wait_kv_free
+    from helpers.triton import wait_kv_free
     config = test_engine_config() | {"drafter": None, "proposer": "ngram", "mode": "sd"}
     prompts = COPY_PROMPTS + FREE_PROMPTS
     threads = torch.get_num_threads()

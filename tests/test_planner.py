@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-import time
 
 import numpy as np
 import pytest
@@ -490,18 +489,17 @@ def test_planner_config_refuses_what_it_cannot_run(settings, message):
         PlannerConfig.from_dict(settings)
 
 
-def test_decide_is_cheap():
+def test_decide_handles_a_new_context_bin_almost_every_step():
+    # (What a decision costs is measured by scripts/time_planner_decide.py, not asserted here.)
     p = Planner(gamma_max=8, psd_available=True, cost_profile=profile(), seed=0)
     rng = np.random.default_rng(0)
     batches = rng.integers(1, 100, size=4000)     # worst case: a different bin almost every step
-    spent = []
+    arms = set(p.arms)
     for i, b in enumerate(batches):
-        s = LoadSignals(batch_size=int(b), now=i * 0.01)
-        t0 = time.perf_counter()
-        d = p.decide(s)
-        spent.append(time.perf_counter() - t0)
+        d = p.decide(LoadSignals(batch_size=int(b), now=i * 0.01))
+        assert d.arm in arms, d
         p.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
-    assert np.median(spent) < 200e-6, np.median(spent)
+    assert p.steps == len(batches)
 
 
 # ---------------------------------------------------------------------------------------------

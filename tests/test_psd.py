@@ -4,32 +4,18 @@ import random
 import pytest
 
 from backend.engine.engine import Engine
-from backend.engine.config import EngineConfig
 from backend.sampling.params import SamplingParams
-from model_factory import TINY_DRAFTER, TINY_TARGET
+from helpers.engines import assert_no_leaks, tiny_engine
 
 pytestmark = pytest.mark.slow   # starts worker processes
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT_CUTS = (12, 15, 41, 300)      # the conftest's `prompts` and `ar_outputs`
 
 
 def make_engine(mode="psd", **kw) -> Engine:
-    kw.setdefault("kv_cache_bytes", 16 << 20)
     kw.setdefault("gamma", 3)
-    return Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode=mode,
-                               drafter_device="cpu", **kw))
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from client.prompts import load_prompts
-    return [p[: 15 + 41 * i % 300] for i, p in enumerate(load_prompts(n=12))]
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(prompts):
-    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
-    return [c.output_ids for c in ar.generate(prompts, GREEDY)]
+    return tiny_engine(mode, drafter_device="cpu", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +23,6 @@ def psd():
     engine = make_engine()
     yield engine
     engine.close()
-
-
-def assert_no_leaks(engine: Engine) -> None:
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "target KV blocks leaked"
-    engine.drafter.refresh_stats()
-    assert engine.drafter.num_sequences() == 0, "drafter still holds sequences"
-    assert engine.drafter.kv_usage == 0.0, "drafter KV blocks leaked"
-    assert not any(engine.sub_batches.members)
 
 
 def run_staggered(engine: Engine, prompts, params, *, abort=(), check_invariants=False, seed=0):
@@ -62,6 +40,7 @@ def run_staggered(engine: Engine, prompts, params, *, abort=(), check_invariants
         if step == 6:
             for i in abort:
                 engine.abort(str(i))
+        decoding_before = _decoding(engine)
         finished_now = 0
         for o in engine.step():
             i = int(o.request_id)
@@ -72,18 +51,26 @@ def run_staggered(engine: Engine, prompts, params, *, abort=(), check_invariants
                 finals[i] = o.finish_reason
                 finished_now += 1
         if check_invariants:
-            _check_sub_batches(engine, last_advance, step, finished_now)
+            _check_sub_batches(engine, last_advance, step, finished_now, decoding_before)
         step += 1
     return tokens, finals
 
 
-def _check_sub_batches(engine: Engine, last_advance: dict, step: int, finished_now: int) -> None:
+def _decoding(engine: Engine) -> set[str]:
+    """Requests that decode with speculation now (what the step about to run splits in two)."""
+    return {s.request_id for s in engine.scheduler.running if s.num_uncomputed == 1 and s.speculates}
+
+
+def _check_sub_batches(engine: Engine, last_advance: dict, step: int, finished_now: int,
+                       decoding_before: set[str]) -> None:
     a, b = engine.sub_batches.members
     assert not (a & b), "a request sits in both sub-batches"
-    decoding = {s.request_id for s in engine.scheduler.running if s.num_uncomputed == 1}
-    # Every decoding request is in exactly one sub-batch (membership is refreshed each step, so
-    # requests that started decoding during this step join at the next one).
-    assert (a | b) <= decoding | {s.request_id for s in engine.scheduler.running}
+    # Every request that decoded when the step began, and still runs, is in exactly one
+    # sub-batch, and nothing else is (membership is refreshed as a step begins, so requests that
+    # started decoding during this step join at the next one; finished ones have left).
+    running = {s.request_id for s in engine.scheduler.running}
+    assert a | b == decoding_before & running, \
+        f"sub-batches {sorted(a | b)} against decoding {sorted(decoding_before & running)}"
     # Balanced at the start of the step; requests finishing during it may tip it until the next.
     assert abs(len(a) - len(b)) <= 1 + finished_now
     for rid in a | b:                    # none starved: each advances at least every other step
@@ -199,14 +186,19 @@ def test_requests_that_opt_out_of_speculation_decode_every_step(psd, prompts):
 
 def test_the_tensor_transport_carries_draft_probabilities(prompts):
     """The CUDA path's transport (probabilities as tensors through torch's reductions), run on
-    CPU tensors: sampled SD verifies with the worker's distributions."""
-    engine = make_engine(mode="sd", drafter_probs_transport="tensor")
-    try:
-        sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
-        out = engine.generate(prompts[:4], sampled)
-        assert all(len(c.output_ids) == 16 for c in out)
-        st = engine.stats()
-        assert st.drafted_tokens > 0 and st.accepted_tokens > 0 and st.drafter_failures == 0
-        assert engine.drafter.drafter._probs is None, "the shared buffer was used, not the tensor transport"
-    finally:
-        engine.close()
+    CPU tensors: sampled SD decides exactly what it decides with the shared buffer (the same
+    seeds, so the same draws: any difference in the probabilities that arrived changes
+    acceptances), which the sampled exactness tests cover."""
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    got = {}
+    for transport in ("tensor", "shared_buffer"):
+        engine = make_engine(mode="sd", drafter_probs_transport=transport)
+        try:
+            got[transport] = [c.output_ids for c in engine.generate(prompts[:4], sampled)]
+            st = engine.stats()
+            assert st.drafted_tokens > 0 and 0 < st.acceptance_rate < 1 and st.drafter_failures == 0
+            assert (engine.drafter.drafter._probs is None) == (transport == "tensor"), transport
+        finally:
+            engine.close()
+    assert all(len(o) == 16 for o in got["tensor"])
+    assert got["tensor"] == got["shared_buffer"]

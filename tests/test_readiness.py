@@ -290,7 +290,7 @@ def proxied(tmp_path_factory):
 @pytest.mark.slow
 def test_a_proxy_in_the_servers_environment_does_not_drain_it(proxied):
     from client.triton_client import GrpcClient
-    from test_triton_e2e import metrics
+    from helpers.triton import metrics
 
     client = GrpcClient(proxied.grpc_url, "nightdraft", timeout_s=60)
     first = client.generate("def f(x):\n", max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -318,7 +318,7 @@ def test_a_cancellation_while_the_prompt_is_tokenized_is_not_lost(proxied):
     """The client cancels while the model tokenizes its (long, slow to tokenize) prompt: the
     request must still be aborted, not run to max_tokens holding its KV blocks."""
     import tritonclient.grpc as grpcclient
-    from test_triton_e2e import metrics, wait_kv_free
+    from helpers.triton import metrics, wait_kv_free
 
     ckpt = Path(json.loads((proxied.model_repository / "nightdraft" / "1" / "engine.json").read_text())["target"])
     prompt = FILLER * (2 << 20) + "def f(x):\n"
@@ -367,7 +367,7 @@ def test_a_drafter_that_cannot_restart_makes_the_model_unready(tmp_path):
     its readiness stops answering 200; the request in flight still gets its final response."""
     from conftest import TINY_DRAFTER, nightdraft_only_server, test_engine_config
     from test_shutdown import Streams, wait_streaming
-    from test_triton_e2e import metrics
+    from helpers.triton import metrics
 
     drafter = tmp_path / "drafter"
     shutil.copytree(TINY_DRAFTER, drafter)

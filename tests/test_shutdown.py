@@ -109,7 +109,7 @@ class Streams:
 
 
 def wait_streaming(streams: Streams, server, min_running: int) -> None:
-    from test_triton_e2e import metrics
+    from helpers.triton import metrics
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if metrics(server).get("nightdraft_num_requests_running", 0) >= min_running:
@@ -196,7 +196,7 @@ def test_sigterm_to_nightdraft_serve_drains(tmp_path):
 
 def test_shutdown_after_a_request_the_core_rejected_is_quick(tmp_path):
     import numpy as np
-    from test_bad_requests import infer_raw
+    from helpers.triton import infer_raw
 
     server = start_server(repository(tmp_path), tmp_path / "server.log")
     try:
@@ -213,7 +213,7 @@ def test_shutdown_after_a_request_the_core_rejected_is_quick(tmp_path):
 def test_a_killed_worker_under_a_running_server(tmp_path):
     """The stream in flight completes with plain decoding's output, the server stays ready (it
     serves, degraded), its metrics show the failure and the restart, and speculation resumes."""
-    from test_triton_e2e import metrics
+    from helpers.triton import metrics
 
     repo = repository(tmp_path, drafter_device="cpu", mode="sd", gamma=3, drafter_timeout_s=2.0)
     server = start_server(repo, tmp_path / "server.log")
@@ -265,7 +265,7 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
         accepted = Streams(server.grpc_url, [600, 600, 600])   # one runs, two wait (for seconds)
         wait_streaming(accepted, server, min_running=1)
         deadline = time.monotonic() + 30
-        from test_triton_e2e import metrics
+        from helpers.triton import metrics
         while metrics(server).get("nightdraft_num_requests_waiting", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         req = urllib.request.Request(f"http://{server.http_url}/v2/models/nightdraft/generate",
@@ -277,7 +277,7 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
         except urllib.error.HTTPError as e:   # (Triton's /generate answers model errors with 400)
             assert e.code == 400 and "server busy: 2 requests are waiting" in e.read().decode()
         import numpy as np
-        from test_bad_requests import infer_raw
+        from helpers.triton import infer_raw
         _, errors, final = infer_raw(server, [("text_input", np.array([b"hi"], dtype=np.object_), "BYTES")])
         assert final and errors and "server busy" in errors[0]
         accepted.join(120)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import shutil
 import subprocess
 import threading
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from client.triton_client import ClientError, GrpcClient, HttpClient, collect
+from helpers.triton import is_final, metrics, short_prompts, stream_request, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +34,6 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
     "Ünïcödé ✓ — 日本語のテキスト:\n",
 ]
-
-
-def short_prompts(n: int) -> list[str]:
-    from client.prompts import load_prompts
-    return [p[:160] for p in load_prompts(n=n)]
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -74,44 +69,6 @@ def offline(triton_server):
         return out
     finally:
         torch.set_num_threads(threads)
-
-
-def metrics(server, model: str = "nightdraft") -> dict[str, float]:
-    """nightdraft_* samples of one model (labels other than model/version kept in the key)."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'^(nightdraft_[a-z0-9_]+)\{([^}]*)\}\s+(\S+)$', line)
-        if not m:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        if labels.pop("model", None) != model:
-            continue
-        labels.pop("version", None)
-        key = m.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-                            if labels else "")
-        out[key] = float(m.group(3))
-    return out
-
-
-def wait_kv_free(server, model: str = "nightdraft", timeout: float = 15.0,
-                 until=lambda m: True) -> dict[str, float]:
-    """Poll the metrics until no request runs or waits and every KV block is free (and
-    ``until(metrics)`` holds: per-request counters are updated when the final response goes
-    out, which can be a moment after the engine freed the blocks)."""
-    deadline = time.monotonic() + timeout
-    m = {}
-    while time.monotonic() < deadline:
-        m = metrics(server, model)
-        total = m.get("nightdraft_kv_cache_total_blocks", 0)
-        if (total > 0 and m.get("nightdraft_kv_cache_free_blocks") == total
-                and m.get("nightdraft_num_requests_running") == 0
-                and m.get("nightdraft_num_requests_waiting") == 0 and until(m)):
-            return m
-        time.sleep(0.1)
-    raise AssertionError(f"KV blocks not all free after {timeout} s: "
-                         f"{ {k: v for k, v in m.items() if 'kv' in k or 'requests_' in k} }")
 
 
 def grpc(server, model="nightdraft", schema=None):
@@ -315,44 +272,6 @@ def test_non_streamed_request_can_be_cancelled_too(triton_server):
 # ------------------------------------------------------------------------------ bad input
 
 
-def stream_request(server, ins: list, model: str = "nightdraft"):
-    """Send one request (a list of InferInput) on a fresh stream; return (responses, errors,
-    closed_in_time). The stream closes only after the model sent the final flag, so
-    closed_in_time proves the flag came."""
-    import tritonclient.grpc as grpcclient
-
-    cl = grpcclient.InferenceServerClient(server.grpc_url)
-    q = queue.SimpleQueue()
-    cl.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=T)
-    responses, errors = [], []
-    try:
-        cl.async_stream_infer(model, ins, enable_empty_final_response=True)
-        deadline = time.monotonic() + T
-        while time.monotonic() < deadline:
-            try:
-                result, error = q.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if error is not None:
-                errors.append(error.message() if hasattr(error, "message") else str(error))
-                break
-            responses.append(result)
-            if is_final(result):
-                break
-    finally:
-        closer = threading.Thread(target=cl.stop_stream, kwargs={"cancel_requests": False}, daemon=True)
-        closer.start()
-        closer.join(15)
-        closed = not closer.is_alive()
-        if closed:
-            cl.close()
-    return responses, errors, closed
-
-
-def is_final(result) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
-
-
 def _grpc_raw(server, inputs: list[tuple[str, object, str]], model="nightdraft"):
     """:func:`stream_request` with inputs given as (name, value, datatype)."""
     import tritonclient.grpc as grpcclient
@@ -405,15 +324,43 @@ def test_bad_input_gets_an_error_and_the_final_flag(triton_server, case):
     assert closed, "the stream did not close: no final flag"
 
 
-def test_bad_inputs_do_not_disturb_requests_in_flight(triton_server, offline):
-    prompt = PROMPTS[1]
+def test_bad_inputs_do_not_disturb_requests_in_flight(triton_server):
+    """A good stream is under way (its first response arrived) when the bad requests come, and
+    still under way when the last of them has been answered; its output is plain decoding's."""
+    import torch
+
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.sampling.params import SamplingParams
+
+    prompt, max_tokens = PROMPTS[1], 240     # long enough to outlast the bad requests (checked)
+    threads = torch.get_num_threads()
+    try:
+        engine = Engine(EngineConfig.from_dict(dict(triton_server.engine_config)))
+        want = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    finally:
+        torch.set_num_threads(threads)
+    started, ended = threading.Event(), threading.Event()
+
+    def good_stream():
+        try:
+            chunks = []
+            for chunk in grpc(triton_server).stream(prompt, max_tokens=max_tokens, temperature=0.0):
+                chunks.append(chunk)
+                started.set()
+            return collect(iter(chunks))
+        finally:
+            ended.set()
     with ThreadPoolExecutor(1) as pool:
-        good = pool.submit(lambda: grpc(triton_server).generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0))
+        good = pool.submit(good_stream)
+        assert started.wait(T), "the good stream never produced a response"
         for case in ("malformed JSON", "prompt longer than the context", "unknown sampling parameter"):
             _, errors, closed = _grpc_raw(triton_server, BAD_INPUTS[case][0])
             assert errors and closed
+        in_flight = not ended.is_set()
         res = good.result(timeout=T)
-    assert (res.text, res.finish_reason) == offline[prompt]
+    assert in_flight, "the good stream ended before the bad requests did: nothing was in flight"
+    assert (res.text, res.finish_reason) == (want.text, want.finish_reason)
 
 
 def test_bad_input_over_http(triton_server):

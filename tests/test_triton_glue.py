@@ -262,16 +262,12 @@ def test_cli_parsers_wire_up():
 def test_metrics_export_drafter_health_and_psd_counters():
     from backend.engine.outputs import EngineStats
     tm = TritonMetrics(FakePbMetrics, {"model": "m"}, min_update_interval_s=0.0)
-    s = EngineStats(drafter_state="restarting")
-    for attr, v in (("drafter_failures", 2), ("drafter_restarts", 1), ("psd_steps", 10),
-                    ("psd_overlapped_steps", 7)):
-        if hasattr(s, attr):
-            setattr(s, attr, v)
+    s = EngineStats(drafter_state="restarting", drafter_failures=2, drafter_restarts=1, psd_steps=10,
+                    psd_overlapped_steps=7)
     tm.update_from_stats(s, force=True)
     assert tm.metrics["drafter:restarting"].value == 1 and tm.metrics["drafter:on_device"].value == 0
-    if hasattr(s, "psd_steps"):
-        assert tm.metrics["psd_steps"].value == 10 and tm.metrics["psd_overlapped_steps"].value == 7
-        assert tm.metrics["drafter_failures"].value == 2
+    assert tm.metrics["psd_steps"].value == 10 and tm.metrics["psd_overlapped_steps"].value == 7
+    assert tm.metrics["drafter_failures"].value == 2 and tm.metrics["drafter_restarts"].value == 1
 
 
 def test_queued_outputs_of_a_request_are_merged_in_order():

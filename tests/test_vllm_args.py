@@ -20,6 +20,7 @@ from backend.engine.config import ConfigError, EngineConfig
 from backend.engine.kv_sizing import GiB, activation_bytes, kv_bytes_per_token, weight_bytes
 from backend.engine.vllm_args import ARGS, IGNORED, MAPPED, REFUSED, SPEC_ARGS, engine_keys_from_vllm
 from backend.model.config import ModelConfig
+from helpers.model_args import Pb, model_args, write
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,27 +223,6 @@ def test_a_model_that_is_not_on_disk_is_refused_without_a_download(tmp_path, mon
 
 
 # ---- engine.json and model.json together (backend/serving/config.py)
-
-
-class Pb:
-    class TritonModelException(Exception):
-        pass
-
-
-def model_args(model_dir: Path, kind: str = "MODEL", device_id: int = 0, **params):
-    from backend.serving.config import ModelArgs
-    config = {"name": "m", "parameters": {k: {"string_value": v} for k, v in params.items()}}
-    return ModelArgs(Pb, {"model_config": json.dumps(config), "model_version": "1", "model_repository": str(model_dir),
-                          "model_instance_kind": kind, "model_instance_device_id": str(device_id)})
-
-
-def write(model_dir: Path, engine: dict | None = None, model: dict | None = None) -> Path:
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    if engine is not None:
-        (model_dir / "1" / "engine.json").write_text(json.dumps(engine))
-    if model is not None:
-        (model_dir / "1" / "model.json").write_text(json.dumps(model))
-    return model_dir
 
 
 def test_model_json_beside_engine_json_merges_and_conflicts_are_refused(tmp_path):

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from helpers.triton import wait_kv_free
+
 pytestmark = pytest.mark.slow
 
 PROMPT = "def main(argv):\n"
@@ -157,18 +159,26 @@ def test_vllm_metric_families_count_as_vllm_does(triton_server):
 
     tok = Tokenizer.from_pretrained(triton_server.engine_config["target"])
     prompts = ["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = [1, 2]\n", "# note\n"]
-    time.sleep(0.5)
+    wait_kv_free(triton_server)                # nothing in flight: the counters are settled
     before = vllm_samples(triton_server)
     client = GrpcClient(triton_server.grpc_url, "nightdraft", timeout_s=60)
     for p in prompts:
         list(client.stream(p, max_tokens=16, temperature=0.0, ignore_eos=True))
-    time.sleep(1.0)                            # counters follow the engine when it goes idle
-    after = vllm_samples(triton_server)
+    n, gen, prompt = len(prompts), 16 * len(prompts), sum(len(tok.encode(p)) for p in prompts)
 
     def delta(name, **match):
         match.setdefault("model", "nightdraft")
         return total(after, name, **match) - total(before, name, **match)
-    n, gen, prompt = len(prompts), 16 * len(prompts), sum(len(tok.encode(p)) for p in prompts)
+    # The counters follow the engine when it goes idle, a moment after the last response: poll
+    # until the last of them has moved (or a deadline), then check every one exactly.
+    deadline = time.monotonic() + 15
+    while True:
+        after = vllm_samples(triton_server)
+        moved = (delta("vllm:e2e_request_latency_seconds_count") >= n and delta("vllm:generation_tokens_total") >= gen
+                 and delta("vllm:time_per_output_token_seconds_count") >= n * 15)
+        if moved or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert delta("vllm:prompt_tokens_total") == prompt
     assert delta("vllm:generation_tokens_total") == gen
     assert delta("vllm:time_to_first_token_seconds_count") == n

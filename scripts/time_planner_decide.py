@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Time the planner's decision alone (planner/planner.py, Planner.decide + observe): what mode
+auto adds to every engine step, in the worst case of a new batch-size bin almost every step.
+
+    .venv/bin/python scripts/time_planner_decide.py [--steps 4000] [--gamma-max 8] [--seed 0]
+
+Prints the median and 99th percentile of decide, and of observe, in microseconds. The cost
+profile is synthetic (linear in batch and tokens), as in tests/test_planner.py.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np  # noqa: E402
+
+from planner import Planner  # noqa: E402
+from planner.cost_model import CostProfile  # noqa: E402
+from planner.signals import LoadSignals  # noqa: E402
+
+
+def synthetic_profile() -> CostProfile:
+    batches = [1, 2, 4, 8, 16, 32, 64, 128]
+    return CostProfile({(b, n): 0.020 + 0.0006 * b * n for b in batches for n in range(1, 8)},
+                       {b: 0.002 + 0.00005 * b for b in batches})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--gamma-max", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    planner = Planner(gamma_max=args.gamma_max, psd_available=True, cost_profile=synthetic_profile(),
+                      seed=args.seed)
+    batches = np.random.default_rng(args.seed).integers(1, 100, size=args.steps)
+    decide_s, observe_s = [], []
+    for i, b in enumerate(batches):
+        signals = LoadSignals(batch_size=int(b), now=i * 0.01)
+        t0 = time.perf_counter()
+        d = planner.decide(signals)
+        t1 = time.perf_counter()
+        planner.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
+        t2 = time.perf_counter()
+        decide_s.append(t1 - t0)
+        observe_s.append(t2 - t1)
+    for name, xs in (("decide", decide_s), ("observe", observe_s)):
+        xs = sorted(xs)
+        print(f"{name}: median {statistics.median(xs) * 1e6:.0f} us, "
+              f"p99 {xs[int(0.99 * (len(xs) - 1))] * 1e6:.0f} us over {len(xs)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

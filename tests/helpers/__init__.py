@@ -1,0 +1,1 @@
+"""Helpers shared by several test modules (fixtures themselves live in tests/conftest.py)."""
