@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 from test_shutdown import descendants
-from test_triton_e2e import BAD_INPUTS, is_final, metrics, wait_kv_free
+from helpers.triton import is_final, metrics, wait_kv_free
+from test_triton_e2e import BAD_INPUTS
 
 pytestmark = pytest.mark.slow
 
