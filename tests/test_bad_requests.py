@@ -64,6 +64,7 @@ CATALOGUE = {
     "temperature NaN": ([HI, sp('{"temperature": NaN}')], "temperature must be >= 0, got nan"),
     "temperature beyond a float": ([HI, sp('{"temperature": 1' + "0" * 400 + "}")], "temperature must be a number"),
     "top_p above 1": ([HI, sp({"top_p": 1.5})], "top_p must be in (0, 1], got 1.5"),
+    "top_p 0 in float32": ([HI, sp({"top_p": 5e-46, "temperature": 1})], "top_p must be at least 1.175e-38"),
     "top_k negative": ([HI, sp({"top_k": -5})], "top_k must be an integer >= 0"),
     "top_k fractional": ([HI, sp({"top_k": 1.5})], "top_k must be an integer, got 1.5"),
     "max_tokens zero (tensor)": ([HI, ("max_tokens", np.array([0], dtype=np.int32), "INT32")],

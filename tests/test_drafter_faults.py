@@ -44,7 +44,7 @@ def make_engine(mode: str) -> Engine:
     return Engine(EngineConfig(
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode=mode, gamma=3, gamma_max=4,
         drafter_device="cpu", kv_cache_bytes=BASE_BLOCKS * block_bytes(), planner=planner,
-        drafter_timeout_s=1.0, drafter_restart_s=0.2,
+        drafter_timeout_s=1.0, drafter_restart_s=0.2, drafter_reload_timeout_s=2.0,
         # The drafter's cores stay with it: lent to plain decoding, two cores of plain decoding
         # can beat SD at the trickle, and the planner then rightly never reloads the drafter;
         # these tests need every phase of the protocol to happen.
@@ -56,6 +56,11 @@ def make_engine(mode: str) -> Engine:
 def kill(rd: RemoteDrafter) -> None:
     rd._proc.kill()
     rd._proc.join(5)
+
+
+def stop(rd: RemoteDrafter) -> None:
+    """SIGSTOP the worker: alive, silent (a process hung in a driver call looks the same)."""
+    os.kill(rd._proc.pid, signal.SIGSTOP)
 
 
 def stop_and_jam(rd: RemoteDrafter) -> None:
@@ -159,6 +164,8 @@ PHASES = {
     "offload": (kill, 1, (5, None)),
     "while_offloaded": (kill, 1, (5, None)),
     "reload": (kill, 1, (5, 12)),
+    # hangs while its weights come back: only the reload deadline notices
+    "stopped_during_reload": (stop, 1, (5, 12)),
 }
 
 
@@ -168,7 +175,8 @@ def test_worker_faults_lose_nothing(mode, phase, prompts, ar_outputs, monkeypatc
     action, nth, (offload_at, reload_at) = PHASES[phase]
     if mode == "auto":
         offload_at = reload_at = None          # the planner lends and takes back by itself
-    wire = {"stopped_before_propose": "before_propose", "while_offloaded": "proposals_collected"}
+    wire = {"stopped_before_propose": "before_propose", "while_offloaded": "proposals_collected",
+            "stopped_during_reload": "reload"}
     fault = Fault(wire.get(phase, phase), action, nth)
     engine = make_engine(mode)
     if phase == "while_offloaded":    # the worker dies while its memory is lent to the pool
@@ -196,13 +204,20 @@ def test_worker_faults_lose_nothing(mode, phase, prompts, ar_outputs, monkeypatc
         if "error" in result:
             raise result["error"]
         tokens, reasons = result["out"]
-        if mode == "auto" and phase in ("offload", "while_offloaded", "reload") and fault.fired_pid is None:
+        if mode == "auto" and phase in ("offload", "while_offloaded", "reload", "stopped_during_reload") \
+                and fault.fired_pid is None:
             pytest.fail(f"auto: the planner never reached phase {phase} (offloads "
                         f"{engine.memory.offloads}, reloads {engine.memory.reloads})")
         assert fault.fired_pid is not None, f"phase {phase} was never reached"
         assert engine.stats().drafted_tokens > 0, f"{mode}: nothing was ever drafted"
         assert set(reasons.values()) == {"length"} and len(reasons) == len(prompts)
         assert [tokens[i] for i in range(len(prompts))] == ar_outputs
+        if phase == "stopped_during_reload":     # only the reload's deadline notices it
+            deadline = time.monotonic() + 30
+            while engine.drafter.failures == 0 and time.monotonic() < deadline:
+                engine.step()
+                time.sleep(0.05)
+            assert engine.drafter.failures >= 1, f"the drafter is still {engine.drafter.state!r}"
         assert engine.drafter.failures >= 1
         wait_for_new_worker(engine, fault.fired_pid)
         assert engine.memory.agrees()
@@ -284,4 +299,67 @@ def test_a_step_that_fails_between_drafting_and_collecting_leaves_the_protocol_i
         assert engine.drafter.failures == 0, "the worker was blamed for the engine's failure"
         assert [tokens[i] for i in range(len(prompts))] == ar_outputs
     finally:
+        engine.close()
+
+
+def test_a_drafter_that_cannot_load_is_retried_with_growing_waits_up_to_a_cap(tmp_path, prompts, ar_outputs, monkeypatch):
+    """The checkpoint goes missing under a running server and the worker dies: every new worker
+    fails to load. Attempts come at growing intervals (0.2 s, 0.4 s, then the 0.8 s cap), not
+    every 0.2 s forever, the state says so, and once the checkpoint is back the next attempt
+    brings a drafter that drafts (and the wait is back at its base)."""
+    import shutil
+    from backend.speculation.manager import DrafterManager
+    drafter_dir = shutil.copytree(TINY_DRAFTER, tmp_path / "drafter")
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(drafter_dir), mode="sd", gamma=3, drafter_device="cpu",
+        kv_cache_bytes=BASE_BLOCKS * block_bytes(), drafter_timeout_s=5.0,
+        drafter_restart_s=0.2, drafter_restart_max_s=0.8, lend_drafter_cores=False))
+    attempts: list[tuple[float, float, bool]] = []      # (start, end, came up) per restart attempt
+    build = DrafterManager._build
+
+    def recorded_build(manager, offloaded=False):
+        t0 = time.monotonic()
+        try:
+            d = build(manager, offloaded)
+        except BaseException:
+            attempts.append((t0, time.monotonic(), False))
+            raise
+        attempts.append((t0, time.monotonic(), True))
+        return d
+    monkeypatch.setattr(DrafterManager, "_build", recorded_build)
+    weights = drafter_dir / "model.safetensors"
+    try:
+        weights.rename(tmp_path / "moved.safetensors")
+        old_pid = engine.drafter.drafter.pid
+        engine.drafter.drafter.kill()
+        out = engine.generate(prompts[:2], GREEDY)         # the dead worker is noticed here
+        assert [c.output_ids for c in out] == ar_outputs[:2]
+        assert engine.drafter.failures == 1
+        deadline = time.monotonic() + 60
+        states = set()
+        while sum(not ok for *_, ok in attempts) < 3 and time.monotonic() < deadline:
+            engine.step()
+            states.add(engine.stats().drafter_state)
+            time.sleep(0.02)
+        assert len(attempts) >= 3, f"{len(attempts)} attempts in 60 s"
+        # each wait at least the doubled one, and the doubling stops at the cap
+        waits = [nxt[0] - prev[1] for prev, nxt in zip(attempts, attempts[1:])]
+        assert waits[0] >= 0.4 and waits[1] >= 0.8, f"waits between attempts: {waits}"
+        st = engine.stats()
+        assert st.drafter_restart_failures >= 3 and states <= {"failed", "restarting"}
+        assert {"failed", "restarting"} <= states
+        assert engine.drafter.restart_delay_s == 0.8
+        assert st.drafter_next_restart_s is None or 0.0 <= st.drafter_next_restart_s <= 0.8
+
+        (tmp_path / "moved.safetensors").rename(weights)
+        wait_for_new_worker(engine, old_pid)
+        assert attempts[-1][2]
+        before = engine.stats().drafted_tokens
+        out = engine.generate(prompts[:2], GREEDY)
+        assert [c.output_ids for c in out] == ar_outputs[:2]
+        assert engine.stats().drafted_tokens > before, "the new worker does not draft"
+        assert engine.drafter.restart_delay_s == 0.2, "the wait did not go back to its base"
+    finally:
+        if not weights.exists():
+            (tmp_path / "moved.safetensors").rename(weights)
         engine.close()

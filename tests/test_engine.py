@@ -252,6 +252,23 @@ def test_sampling_params_validation(raw, message):
         SamplingParams.from_dict(raw)
 
 
+@pytest.mark.parametrize("top_p", [5e-46, "1e-46", 1e-40])
+def test_a_top_p_float32_cannot_hold_is_refused_at_the_door(top_p):
+    # 5e-46 is 0 in float32: every token masked, and the request failed inside the step with
+    # "sampling failed" instead of being refused; 1e-40 is subnormal (0 where flushed)
+    with pytest.raises(InvalidRequest, match="top_p must be at least"):
+        SamplingParams.from_dict({"top_p": top_p, "temperature": 1.0})
+
+
+def test_the_smallest_top_p_accepted_keeps_the_most_likely_token(prompts):
+    from backend.sampling.params import MIN_TOP_P
+    engine = make_engine(drafter=None)
+    tiny_p = SamplingParams(max_tokens=8, temperature=1.0, top_p=MIN_TOP_P, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = engine.generate([prompts[0], prompts[0]], [tiny_p, greedy])
+    assert out[0].finish_reason == "length" and out[0].output_ids == out[1].output_ids
+
+
 def test_sampling_params_accept_strings_as_sent_by_genai_perf():
     p = SamplingParams.from_json('{"max_tokens": "8", "temperature": "0", "top_k": "-1", "ignore_eos": "true"}')
     assert (p.max_tokens, p.temperature, p.top_k, p.ignore_eos) == (8, 0.0, 0, True)

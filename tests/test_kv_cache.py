@@ -9,6 +9,7 @@ from backend.model.attention import SdpaBackend
 from backend.model.kv_cache import BlockAllocator, NoFreeBlocks, PagedKVCache
 from backend.model.llama import CausalLM
 from backend.model.config import ModelConfig
+from memory_faults import OUT_OF_MEMORY, allocations_fail
 
 SDPA = SdpaBackend()
 
@@ -261,6 +262,53 @@ def test_shrink_below_used_raises_and_changes_nothing(model):
     cache.resize(5)  # exactly enough: nothing above 5 is used, so nothing moves
     assert cache.num_blocks == 5 and cache.block_table("y") == [3, 4]
     assert torch.equal(cache.kv, snapshot[:, :, :5])
+
+
+def _storage_agrees(cache: PagedKVCache) -> None:
+    """Every block the allocator can hand out, and every block a table holds, is in the storage."""
+    assert cache.kv.shape[2] == cache.num_blocks
+    assert all(k.shape[0] == cache.num_blocks for k, _ in (cache.layer(i) for i in range(cache.num_layers)))
+    assert all(b < cache.num_blocks for s in cache.seq_ids() for b in cache.table_view(s))
+    assert cache.num_free_blocks + cache.num_used_blocks == cache.num_blocks
+
+
+@pytest.mark.parametrize("new_size", [12, 5], ids=["grow", "shrink"])
+def test_a_resize_that_cannot_allocate_changes_nothing(model, monkeypatch, new_size):
+    cache = make_cache(num_blocks=8, block_size=4)
+    feed(model, cache, [("x", 0, list(range(10))), ("y", 0, list(range(20, 27)))])
+    cache.free("x")                      # y keeps blocks 3 and 4: a shrink to 5 moves nothing,
+    cache.ensure_capacity("z", 8)        # z takes 0, 1; a shrink to 3 would have to move
+    snapshot = cache.kv.clone()
+    tables = {s: cache.block_table(s) for s in cache.seq_ids()}
+    free = cache.num_free_blocks
+    with allocations_fail(monkeypatch), pytest.raises(OUT_OF_MEMORY):
+        cache.resize(new_size)
+    assert cache.num_blocks == 8 and cache.num_free_blocks == free
+    assert {s: cache.block_table(s) for s in cache.seq_ids()} == tables
+    assert torch.equal(cache.kv, snapshot)
+    _storage_agrees(cache)
+    # and it still works: every free block can be taken, and each is in the storage
+    assert cache.ensure_capacity("w", cache.num_free_blocks * cache.block_size)
+    _storage_agrees(cache)
+    cache.free("w")
+    cache.resize(new_size)               # with memory, the same resize goes through
+    assert cache.num_blocks == new_size
+    _storage_agrees(cache)
+
+
+def test_a_shrink_that_moves_blocks_and_cannot_allocate_changes_nothing(model, monkeypatch):
+    cache = make_cache(num_blocks=8, block_size=4)
+    feed(model, cache, [("x", 0, list(range(12))), ("y", 0, list(range(20, 27)))])
+    cache.free("x")                      # y in blocks 3, 4: a shrink to 3 must move both
+    snapshot = cache.kv.clone()
+    with allocations_fail(monkeypatch), pytest.raises(OUT_OF_MEMORY):
+        cache.resize(3)
+    assert cache.block_table("y") == [3, 4]
+    assert torch.equal(cache.kv, snapshot), "K/V moved although the resize failed"
+    _storage_agrees(cache)
+    cache.resize(3)
+    assert cache.block_table("y") == [0, 1]
+    assert torch.equal(cache.kv[:, :, :2], snapshot[:, :, 3:5])
 
 
 def test_cache_rejects_bad_sizes():

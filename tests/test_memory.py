@@ -111,3 +111,89 @@ def test_budget_accounts_for_every_owner():
     assert b2["drafter"] == 0
     assert b2["target_kv"] - b["target_kv"] <= b["drafter"]    # grew by at most what was freed
     assert b2["target_kv"] > b["target_kv"]
+
+
+def _drive(engine: Engine, n: int, tokens: dict) -> None:
+    for _ in range(n):
+        for o in engine.step():
+            tokens[int(o.request_id)] += o.new_token_ids
+
+
+def test_an_offload_whose_pool_cannot_grow_lends_nothing_and_serving_goes_on(prompts, ar_outputs, monkeypatch):
+    from memory_faults import OUT_OF_MEMORY
+    engine, memory = sd_engine_with_memory(kv_blocks=64)
+    base = engine.kv.num_blocks
+    tokens = {i: [] for i in range(4)}
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), p, GREEDY)
+    _drive(engine, 3, tokens)
+    engine.set_gamma(0)
+
+    def no_room(*args, **kwargs):
+        raise OUT_OF_MEMORY("injected: no room for the bigger pool")
+    with monkeypatch.context() as m:       # the target pool's new storage only (the drafter's
+        m.setattr(engine.kv, "_new_storage", no_room)     # reload, under way at once, has room)
+        memory.offload()
+    # Nothing lent: the pool kept its size and its storage, the weights are on their way back.
+    assert engine.kv.num_blocks == base == engine.kv.kv.shape[2]
+    assert memory.failed_offloads == 1 and memory.offloads == 0
+    assert engine.stats().offload_failures == 1
+    assert engine.drafter.state in ("reloading", "on_device")
+    assert memory.agrees()
+    while engine.drafter.state != "on_device":
+        memory.poll()
+        time.sleep(0.01)
+    # not tried again at once: memory that could not be had a moment ago rarely is now
+    assert memory.growth_if_offloaded() is None
+    memory.offload()
+    assert engine.drafter.state == "on_device" and memory.offloads == 0
+    engine.set_gamma(4)
+    drafted = engine.stats().drafted_tokens
+    while engine.has_unfinished():
+        _drive(engine, 1, tokens)
+    assert [tokens[i] for i in range(4)] == ar_outputs[:4]
+    assert engine.stats().drafted_tokens > drafted, "the drafter did not come back"
+    assert [e.kind for e in memory.events] == ["offload_failed", "reload_start", "reload_done"]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_reload_whose_pool_cannot_shrink_keeps_the_memory_lent(prompts, ar_outputs, monkeypatch):
+    from memory_faults import allocations_fail
+    engine, memory = sd_engine_with_memory(kv_blocks=64)
+    base = engine.kv.num_blocks
+    tokens = {i: [] for i in range(4)}
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), p, GREEDY)
+    _drive(engine, 2, tokens)
+    engine.set_gamma(0)
+    memory.offload()
+    grown = engine.kv.num_blocks
+    assert grown > base
+    _drive(engine, 2, tokens)
+    with allocations_fail(monkeypatch):
+        memory.start_reload()
+    # The pool still holds the drafter's bytes, so the drafter stays off its device.
+    assert engine.kv.num_blocks == grown == engine.kv.kv.shape[2]
+    assert engine.drafter.state == "offloaded" and memory.failed_reloads == 1
+    assert memory.agrees()
+    while engine.has_unfinished():
+        _drive(engine, 1, tokens)
+    assert [tokens[i] for i in range(4)] == ar_outputs[:4]
+    memory._retry_at = 0.0                 # (the retry's wait, skipped) and with memory it goes through
+    memory.start_reload()
+    assert engine.kv.num_blocks == base
+    while memory.poll() is None:
+        time.sleep(0.01)
+    assert engine.drafter.state == "on_device" and memory.agrees()
+
+
+def test_memory_events_are_bounded(monkeypatch):
+    monkeypatch.setattr(ElasticMemory, "MAX_EVENTS", 4, raising=False)
+    engine, memory = sd_engine_with_memory(kv_blocks=32)
+    for _ in range(3):                      # 3 events a round trip
+        memory.offload()
+        memory.start_reload()
+        while memory.poll() is None:
+            time.sleep(0.01)
+    assert memory.offloads == 3 and memory.reloads == 3
+    assert [e.kind for e in memory.events] == ["reload_done", "offload", "reload_start", "reload_done"]

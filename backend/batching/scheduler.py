@@ -2,9 +2,15 @@
 
 Every step each running sequence feeds the tokens the target has not cached yet: a prefill
 chunk, the one pending decode token, or that token plus `gamma` drafts to verify. Admission is by
-free KV blocks; when a running sequence cannot grow, speculation is dropped first, then the most
+free KV blocks, and a request is admitted only with room for all of its tokens (they are
+reserved at once, however many chunks its prefill takes), so a prefill never stops halfway for
+want of blocks. When a running sequence cannot grow, speculation is dropped first, then the most
 recently admitted sequence is preempted by recompute (its blocks freed, its tokens re-prefilled
 later, nothing it generated lost).
+
+A waiting request that does not fit does not hold back the ones behind it that do: they may pass
+it, a bounded number of times (``max_head_bypass``), after which admission waits for it, so a long
+prompt is delayed, never starved.
 """
 from __future__ import annotations
 
@@ -20,6 +26,10 @@ from backend.batching.sequence import Sequence, Status
 # away: in the dynamic benchmark's overloaded phase, admitting while any block was free had a
 # third of the requests preempted and re-prefilled; with this headroom about one in ten.
 GROWTH_HEADROOM_TOKENS = 16
+# How many later requests may be admitted ahead of a waiting request that does not fit, before
+# admission stops and waits for it; and how far down the queue admission looks for them.
+MAX_HEAD_BYPASS = 32
+BYPASS_SCAN = 64
 
 
 @dataclass
@@ -37,10 +47,13 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: PagedKVCache, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv_cache: PagedKVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_head_bypass: int = MAX_HEAD_BYPASS):
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_head_bypass = max_head_bypass
+        self.num_bypasses = 0          # admissions ahead of an older request that did not fit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,26 +115,52 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        growth = None      # blocks the running sequences need for their headroom (computed lazily)
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed, budget)
-            needed = self.kv.blocks_needed(seq.request_id, seq.num_computed + num_new)
-            if growth is None:
-                growth = sum(self.kv.blocks_needed(s.request_id, len(s) + GROWTH_HEADROOM_TOKENS)
-                             for s in self.running)
-            if needed + self.watermark_blocks + growth > self.kv.num_free_blocks and self.running:
+        if not preempted:
+            self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        """Admit waiting requests in order while they fit. The first that does not fit is
+        `blocked`; the ones behind it that fit may pass it until it has been passed
+        `max_head_bypass` times."""
+        growth: dict[int, int] = {}     # headroom tokens -> blocks the running need for it
+        blocked: Sequence | None = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            if blocked is not None and (blocked.times_bypassed >= self.max_head_bypass or i > BYPASS_SCAN):
                 break
-            if not self.kv.ensure_capacity(seq.request_id, seq.num_computed + num_new):
-                break
-            self.waiting.popleft()
+            seq = self.waiting[i]
+            if not self._fits(seq, growth):
+                blocked = blocked or seq
+                i += 1
+                continue
+            del self.waiting[i]
+            if blocked is not None:
+                blocked.times_bypassed += 1
+                self.num_bypasses += 1
+            seq.times_bypassed = 0
             seq.status = Status.RUNNING
             self.running.append(seq)
+            num_new = min(seq.num_uncomputed, budget)
             scheduled.append(ScheduledSeq(seq, num_new, 0))
             budget -= num_new
-            growth += self.kv.blocks_needed(seq.request_id, len(seq) + GROWTH_HEADROOM_TOKENS)
-        return scheduled
+            for headroom in growth:
+                growth[headroom] += self.kv.blocks_needed(seq.request_id, len(seq) + headroom)
+
+    def _fits(self, seq: Sequence, growth: dict[int, int]) -> bool:
+        """Is there room for all of `seq`'s tokens, and, while it prefills, for the running
+        sequences to grow? If so its blocks are reserved now. (With nothing running, room for
+        its tokens is enough.)"""
+        needed = self.kv.blocks_needed(seq.request_id, len(seq))
+        if self.running:
+            # The running grow by a token or more each step its prefill takes.
+            headroom = GROWTH_HEADROOM_TOKENS + -(-seq.num_uncomputed // self.max_num_batched_tokens)
+            if headroom not in growth:
+                growth[headroom] = sum(self.kv.blocks_needed(s.request_id, len(s) + headroom)
+                                       for s in self.running)
+            if needed + self.watermark_blocks + growth[headroom] > self.kv.num_free_blocks:
+                return False
+        return self.kv.ensure_capacity(seq.request_id, len(seq))
 
     def preempt_until(self, max_used_blocks: int) -> int:
         """Preempt the most recently admitted sequences until at most `max_used_blocks` blocks are

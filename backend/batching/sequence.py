@@ -36,6 +36,7 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     num_preemptions: int = 0
+    times_bypassed: int = 0            # later requests admitted ahead of it while it did not fit
     emitted_text_len: int = 0          # text already handed out (stop strings may hold some back)
     stop_text_at: int | None = None    # where a stop string begins in the text (it is cut there)
     spec_disabled: bool = False        # the drafter could not serve this request: decode plainly

@@ -28,9 +28,9 @@ def commit_tokens(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ..
     for tok in tokens:
         seq.token_ids.append(tok)
         committed.append(tok)
-        before = len(seq.detokenizer.text)
+        before = seq.detokenizer.length
         seq.detokenizer.push([tok])
-        reason = stop_reason(seq, tok, len(seq.detokenizer.text) - before, eos_token_ids, max_model_len)
+        reason = stop_reason(seq, tok, seq.detokenizer.length - before, eos_token_ids, max_model_len)
         if seq.grammar is not None and not reason:
             reason = _advance_grammar(seq, tok)
         if reason:
@@ -56,11 +56,14 @@ def stop_reason(seq: Sequence, token: int, new_chars: int, eos_token_ids: tuple[
         if (token in eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if p.stop and new_chars:
-            text = seq.detokenizer.text
-            hits = [(i, s) for i, s in ((text.find(s, max(0, len(text) - new_chars - len(s) + 1)), s)
+            # Only where a stop string would end in the new text: read just that end.
+            start = max(0, seq.detokenizer.length - new_chars - max(map(len, p.stop)) + 1)
+            tail = seq.detokenizer.slice(start)
+            hits = [(i, s) for i, s in ((tail.find(s, max(0, len(tail) - new_chars - len(s) + 1)), s)
                                         for s in p.stop) if i >= 0]
             if hits:
-                at, s = min(hits, key=lambda h: h[0])
+                i, s = min(hits, key=lambda h: h[0])
+                at = start + i
                 seq.stop_text_at = at + len(s) if p.include_stop_str_in_output else at
                 return "stop"
     if seq.num_output_tokens >= p.max_tokens or len(seq) >= max_model_len:
@@ -70,7 +73,7 @@ def stop_reason(seq: Sequence, token: int, new_chars: int, eos_token_ids: tuple[
 
 def visible_end(seq: Sequence) -> int:
     """How much of the sequence's text a client may have now."""
-    text_len = len(seq.detokenizer.text)
+    text_len = seq.detokenizer.length
     if seq.is_finished:
         return seq.stop_text_at if seq.stop_text_at is not None else text_len
     p = seq.params
@@ -85,7 +88,7 @@ def output_of(seq: Sequence, new_ids: list[int], error: str | None = None,
     if seq.is_finished:
         seq.detokenizer.push([], final=True)
     end = visible_end(seq)
-    delta = seq.detokenizer.text[seq.emitted_text_len:end]
+    delta = seq.detokenizer.slice(seq.emitted_text_len, end)
     seq.emitted_text_len = max(seq.emitted_text_len, end)
     return RequestOutput(
         request_id=seq.request_id, new_token_ids=new_ids, new_text=delta,

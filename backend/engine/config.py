@@ -29,7 +29,9 @@ class EngineConfig:
     # to those cores (default: the last core), with the target kept on the others.
     drafter_device: str | None = None
     drafter_timeout_s: float = 10.0             # a worker silent this long is declared hung
-    drafter_restart_s: float = 2.0              # wait this long after a failure before restarting
+    drafter_restart_s: float = 2.0              # wait this long after a failure before restarting,
+    drafter_restart_max_s: float = 60.0         # twice as long after each failure before it served, up to this
+    drafter_reload_timeout_s: float = 60.0      # offloaded weights not back by then: the drafter failed
     # How a worker's draft probabilities travel: "shared_buffer" (CPU default) or "tensor"
     # (CUDA default: CUDA IPC; on CPU, shared-memory file descriptors).
     drafter_probs_transport: str | None = None
@@ -138,6 +140,10 @@ class EngineConfig:
              "drafter_timeout_s: must be > 0")
         need(isinstance(self.drafter_restart_s, (int, float)) and self.drafter_restart_s >= 0,
              "drafter_restart_s: must be >= 0")
+        need(isinstance(self.drafter_restart_max_s, (int, float)) and self.drafter_restart_max_s >= 0,
+             "drafter_restart_max_s: must be >= 0 (below drafter_restart_s, it is drafter_restart_s)")
+        need(isinstance(self.drafter_reload_timeout_s, (int, float)) and self.drafter_reload_timeout_s > 0,
+             "drafter_reload_timeout_s: must be > 0")
         need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")

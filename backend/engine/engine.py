@@ -185,10 +185,12 @@ class Engine:
         if d is not None:
             s.drafter_kv_usage, s.drafter_state = d.kv_usage, d.state
             s.drafter_failures, s.drafter_restarts = d.failures, d.restarts
+            s.drafter_restart_failures, s.drafter_next_restart_s = d.restart_failures, d.next_restart_in_s
             s.drafter_request_failures, s.drafter_catchup_tokens = d.request_failures, d.catchup_tokens
             s.draft_ahead = d.ahead_summary()
         if self.memory is not None:
             s.offloads, s.reloads = self.memory.offloads, self.memory.reloads
+            s.offload_failures, s.reload_failures = self.memory.failed_offloads, self.memory.failed_reloads
         if self.planner is not None:
             s.planner_switches = self.planner.switches
         c = self.sub_batches.counters

@@ -33,6 +33,7 @@ def generate(engine, prompts: Iterable[str | list[int]], params: SamplingParams 
     ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     pending: dict[str, Completion] = {}
     done: dict[str, Completion] = {}
+    pieces: dict[str, list[str]] = {}       # text deltas, joined at the end (+= is quadratic)
     limit = max_concurrency or len(prompts)
     next_i = 0
     while len(done) < len(prompts):
@@ -41,6 +42,7 @@ def generate(engine, prompts: Iterable[str | list[int]], params: SamplingParams 
             prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             engine.add_request(ids[next_i], prompt_ids, plist[next_i])
             pending[ids[next_i]] = Completion(ids[next_i], prompt_ids, [], "", None, 0, 0)
+            pieces[ids[next_i]] = []
             next_i += 1
         outs = engine.step()
         for o in outs:
@@ -48,10 +50,11 @@ def generate(engine, prompts: Iterable[str | list[int]], params: SamplingParams 
             if c is None:
                 continue
             c.output_ids += o.new_token_ids
-            c.text += o.new_text
+            pieces[o.request_id].append(o.new_text)
             if o.prompt_logprobs is not None:
                 c.prompt_logprobs = o.prompt_logprobs
             if o.finished:
+                c.text = "".join(pieces.pop(o.request_id))
                 c.finish_reason, c.drafted, c.accepted = o.finish_reason, o.num_drafted, o.num_accepted
                 c.latency_s = o.finish_time - o.arrival_time
                 c.ttft_s = (o.first_token_time or o.finish_time) - o.arrival_time

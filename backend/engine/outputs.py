@@ -80,15 +80,20 @@ class EngineStats:
     drafter_kv_usage: float = 0.0
     mode: str = "ar"
     gamma: int = 0
-    drafter_state: str = "none"            # "none" | "on_device" | "failed" | "restarting" | "offloaded"
+    # "none" | "on_device" | "offloaded" | "reloading" | "failed" (down, waiting to restart) | "restarting"
+    drafter_state: str = "none"
     drafter_failures: int = 0
     drafter_restarts: int = 0
+    drafter_restart_failures: int = 0      # restart attempts that did not bring a drafter up
+    drafter_next_restart_s: float | None = None   # while "failed": seconds to the next attempt
     drafter_request_failures: int = 0      # requests the drafter could not serve (decoded plainly)
     request_errors: int = 0                # requests failed alone by a fault in a batched step
     drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
     draft_ahead: dict = field(default_factory=dict)   # pre-draft hits by accepted length (draft_ahead.py)
     offloads: int = 0                      # drafter weights moved to host (elastic memory)
     reloads: int = 0
+    offload_failures: int = 0              # the pool could not grow (out of memory): nothing lent
+    reload_failures: int = 0               # the pool could not shrink back: the drafter stays off
     planner_switches: int = 0
     psd_steps: int = 0
     psd_fallback_steps: int = 0            # verified sub-batch had no proposals: drafted in line

@@ -80,26 +80,37 @@ class BlockAllocator:
         data and rewrite its block tables. Raises :class:`NoFreeBlocks` (changing nothing) if more
         than ``num_blocks`` blocks are in use.
         """
+        moves = self.relocation(num_blocks)
+        self.commit_resize(num_blocks, moves)
+        return moves
+
+    def relocation(self, num_blocks: int) -> dict[int, int]:
+        """What :meth:`resize` to ``num_blocks`` would move, ``{old_id: new_id}``, changing
+        nothing. Raises :class:`NoFreeBlocks` if more than ``num_blocks`` blocks are in use."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        old = self._num_blocks
-        if num_blocks >= old:
-            for b in range(old, num_blocks):
-                heapq.heappush(self._free_heap, b)
-            self._free_set.update(range(old, num_blocks))
-            self._num_blocks = num_blocks
+        if num_blocks >= self._num_blocks:
             return {}
         if self.num_used > num_blocks:
             raise NoFreeBlocks(
                 f"cannot shrink the pool to {num_blocks} blocks: {self.num_used} are in use"
             )
-        moving = [b for b in range(num_blocks, old) if b not in self._free_set]
+        moving = [b for b in range(num_blocks, self._num_blocks) if b not in self._free_set]
         targets = sorted(b for b in self._free_set if b < num_blocks)[: len(moving)]
-        free = {b for b in self._free_set if b < num_blocks} - set(targets)
-        self._free_set = free
-        self._free_heap = sorted(free)
-        self._num_blocks = num_blocks
         return dict(zip(moving, targets))
+
+    def commit_resize(self, num_blocks: int, moves: dict[int, int]) -> None:
+        """Take the new size, with `moves` as :meth:`relocation` planned it for this state."""
+        old = self._num_blocks
+        if num_blocks >= old:
+            for b in range(old, num_blocks):
+                heapq.heappush(self._free_heap, b)
+            self._free_set.update(range(old, num_blocks))
+        else:
+            free = {b for b in self._free_set if b < num_blocks} - set(moves.values())
+            self._free_set = free
+            self._free_heap = sorted(free)
+        self._num_blocks = num_blocks
 
 
 class PagedKVCache:
@@ -141,9 +152,15 @@ class PagedKVCache:
         self.kv = self._new_storage(num_blocks)
         self._layers = self._layer_views()
 
-    def _new_storage(self, num_blocks: int) -> torch.Tensor:
+    def _new_storage(self, num_blocks: int, zero_from: int = 0) -> torch.Tensor:
+        """Storage for `num_blocks` blocks; blocks from `zero_from` on are zero-filled (the ones
+        below are about to be copied over)."""
         shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.head_dim, self._block_size)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if zero_from <= 0:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        kv[:, :, zero_from:].zero_()
+        return kv
 
     def _layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = self.kv.shape[2]
@@ -257,24 +274,41 @@ class PagedKVCache:
     def resize(self, num_blocks: int) -> None:
         """Grow the pool (new free blocks) or shrink it. Shrinking moves the K/V of used blocks
         above the new size into free low blocks and rewrites the block tables, so sequences keep
-        their contents. Raises :class:`NoFreeBlocks`, changing nothing, if more than ``num_blocks``
-        blocks are in use."""
+        their contents.
+
+        All or nothing: the new storage is allocated and filled while the old one still serves,
+        and only then do the allocator, the block tables and the storage take the new size. If
+        anything fails first (:class:`NoFreeBlocks` when more than ``num_blocks`` blocks are in
+        use, or the allocation itself: out of memory) nothing has changed. The allocator never
+        hands out a block the storage does not have."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         old = self.num_blocks
         if num_blocks == old:
             return
-        moves = self._allocator.resize(num_blocks)  # raises before changing anything
-        if num_blocks > old:
-            kv = self._new_storage(num_blocks)
-            kv[:, :, :old] = self.kv
-        else:
-            if moves:
-                src = torch.tensor(list(moves.keys()), device=self.device)
-                dst = torch.tensor(list(moves.values()), device=self.device)
-                self.kv[:, :, dst] = self.kv[:, :, src]
-                for table in self._tables.values():
-                    table[:] = [moves.get(b, b) for b in table]
-            kv = self.kv[:, :, :num_blocks].clone()
+        moves = self._allocator.relocation(num_blocks)     # raises before anything changes
+        kv = self._new_storage(num_blocks, zero_from=old)   # may raise (out of memory)
+        keep = min(old, num_blocks)
+        kv[:, :, :keep] = self.kv[:, :, :keep]
+        if moves:
+            src = torch.tensor(list(moves.keys()), device=self.device)
+            dst = torch.tensor(list(moves.values()), device=self.device)
+            kv[:, :, dst] = self.kv[:, :, src]
+        # Commit: nothing below can fail for want of memory.
+        self._allocator.commit_resize(num_blocks, moves)
+        if moves:
+            for table in self._tables.values():
+                table[:] = [moves.get(b, b) for b in table]
         self.kv = kv
         self._layers = self._layer_views()
+        if num_blocks < old:
+            release_cached_memory(self.device)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand memory freed on a CUDA device back to the driver: torch's caching allocator keeps
+    freed blocks for this process, where another process on the same GPU (the drafter's worker,
+    or the target's engine) cannot use them. No-op elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()

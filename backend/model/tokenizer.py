@@ -90,6 +90,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def skipped_ids(self) -> frozenset[int]:
+        """Ids that :meth:`decode` drops: the special tokens (it skips them by their text)."""
+        special = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        by_text = (self._tok.token_to_id(content) for content in special.values())
+        return frozenset(special) | frozenset(i for i in by_text if i is not None)
+
     @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
         """One token alone, as text (what logprobs call ``decoded_token``)."""
@@ -100,53 +107,109 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
 
     A byte-level BPE token can end in the middle of a multi-byte character; decoding it alone
-    gives U+FFFD. We only emit text once the tail decodes cleanly, and we decode a short window
-    (from the last clean boundary) rather than the whole output every step.
+    gives U+FFFD. Text is emitted once the tail decodes cleanly, and only a short window is
+    decoded (from the last clean boundary), never the whole output. The work per token stays
+    bounded, so a long output costs time linear in its length:
 
-    `skip_special_tokens` (vLLM's default True) leaves special tokens out of the text.
-    `spaces_between_special_tokens` False (with special tokens kept) spells an added token that
-    follows another added token as its bare text, as vLLM's fast detokenizer does, so no space a
-    decoder puts before it appears between the two.
+    - ids that decoding skips (special tokens: EOS generated under ``ignore_eos``) never enter
+      the window (decoding without them gives the same text);
+    - a window that keeps ending in U+FFFD (bytes that never make a character) is emitted up to
+      its last ``KEEP_PENDING`` tokens, which are the most an unfinished character can span,
+      once more than ``MAX_PENDING`` tokens wait and what comes after cannot change it;
+    - the text is kept as a list of pieces (appending to one string is quadratic), read with
+      :meth:`slice` near its end.
+
+    (tokenizers' ``DecodeStream`` keeps every id since its last emission and decodes them all at
+    each step, so it is quadratic on exactly these two inputs.)
+
+    `skip_special_tokens` (vLLM's default True) leaves special tokens out of the text (False
+    keeps them in the window). `spaces_between_special_tokens` False (with special tokens kept)
+    spells an added token that follows another added token as its bare text, as vLLM's fast
+    detokenizer does, so no space a decoder puts before it appears between the two.
     """
+
+    MAX_PENDING = 8
+    KEEP_PENDING = 4          # a UTF-8 character is at most 4 bytes, and a token at least one
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._skipped = tokenizer.skipped_ids if skip_special_tokens else frozenset()
         self._added = {} if skip_special_tokens or spaces_between_special_tokens else tokenizer.added_tokens
         self._last_added = False
-        self._ids: list[int] = []
-        self._prefix = 0   # start of the decode window (a clean boundary)
-        self._read = 0     # ids before this are already reflected in self.text
-        self.text = ""
+        self._ids: list[int] = []   # the window: ids from the last clean boundary on
+        self._read = 0              # ids of the window already reflected in the text
+        self._done = ""             # decode(self._ids[:self._read])
+        self._pieces: list[str] = []
+        self.length = 0             # characters of text so far
+
+    @property
+    def text(self) -> str:
+        """All the text so far (joins every piece: for the end of a request, not every step)."""
+        return "".join(self._pieces)
+
+    def slice(self, start: int, end: int | None = None) -> str:
+        """``text[start:end]``, at the cost of the text from `start` to the end."""
+        end = self.length if end is None else min(end, self.length)
+        if start >= end:
+            return ""
+        parts, pos = [], self.length
+        for piece in reversed(self._pieces):
+            if pos <= start:
+                break
+            parts.append(piece)
+            pos -= len(piece)
+        return "".join(reversed(parts))[start - pos:end - pos]
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the newly decodable text."""
         if not self._added:
             return self._push(new_ids, final)
-        start = len(self.text)
+        start = self.length
         for tok in new_ids:
             added = tok in self._added
             if added and self._last_added:
                 self._push([], final=True)            # flush what precedes it
-                self._ids.append(tok)
-                self.text += self._added[tok]
+                self._append(self._added[tok])
                 # The window restarts at this token, so what follows decodes in its context.
-                self._prefix, self._read = len(self._ids) - 1, len(self._ids)
+                self._ids, self._read = [tok], 1
+                self._done = self._decode(self._ids)
             else:
                 self._push([tok], final)
             self._last_added = added
         if not new_ids:
             self._push([], final)
-        return self.text[start:]
+        return self.slice(start)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def _push(self, new_ids: list[int], final: bool) -> str:
-        self._ids.extend(new_ids)
-        window = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
-        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
-        if len(window) <= len(done) or (window.endswith("\ufffd") and not final):
-            return ""
-        delta = window[len(done):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
+        before = len(self._ids)
+        self._ids.extend(i for i in new_ids if i not in self._skipped)
+        if len(self._ids) == before and not final:
+            return ""          # nothing that decodes to text: the window is as it was
+        window = self._decode(self._ids)
+        if len(window) > len(self._done) and (final or not window.endswith("\ufffd")):
+            return self._emit(window, len(self._ids))
+        if len(self._ids) - self._read > self.MAX_PENDING:
+            cut = len(self._ids) - self.KEEP_PENDING
+            head = self._decode(self._ids[:cut])
+            if len(head) > len(self._done) and window.startswith(head):
+                return self._emit(head, cut)
+        return ""
+
+    def _emit(self, text: str, upto: int) -> str:
+        """Emit `text` (the decode of the window's first `upto` ids) beyond what was emitted; the
+        next window starts where this emission's ids began (a clean boundary)."""
+        delta = text[len(self._done):]
+        self._ids = self._ids[self._read:]
+        self._read = upto - self._read
+        self._done = self._decode(self._ids[:self._read])
+        self._append(delta)
         return delta
+
+    def _append(self, piece: str) -> None:
+        self._pieces.append(piece)
+        self.length += len(piece)

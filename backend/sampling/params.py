@@ -28,6 +28,11 @@ MAX_PENALTY = 2.0                    # presence and frequency penalties lie in [
 MAX_LOGIT_BIAS = 100.0               # biases are clamped to [-100, 100], as vLLM does
 MAX_BAD_WORDS = 128                  # vLLM's default VLLM_MAX_NUM_BAD_WORDS
 MAX_BAD_WORD_CHARS = 1024
+# The sampler compares probability mass against top_p in float32, where anything below about
+# 7e-46 is 0 (every token masked: nothing left to sample) and subnormal values may be flushed to
+# 0 on a GPU. The smallest normal float32 is the least top_p that means what it says (at that
+# size, keep only the most likely token).
+MIN_TOP_P = 1.1754943508222875e-38   # torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:
+            raise InvalidRequest(f"top_p must be at least {MIN_TOP_P:.4g} (smaller is 0 in float32, "
+                                 f"which keeps no token), got {self.top_p!r}")
         lo, hi = SEED_RANGE
         if self.seed is not None and (not isinstance(self.seed, int) or not lo <= self.seed <= hi):
             raise InvalidRequest(f"seed must be an integer in [0, 2**64 - 1], got {short(self.seed)}")

@@ -34,6 +34,8 @@ nightdraft_psd_overlap_ratio                    gauge      last PSD step: overla
 nightdraft_preemptions_total                    counter
 nightdraft_engine_steps_total                   counter
 nightdraft_drafter_{failures,restarts,catchup_tokens,offloads,reloads}_total   counters
+nightdraft_drafter_restart_failures_total       counter    restart attempts that failed
+nightdraft_drafter_{offload,reload}_failures_total   counters  the KV pool could not be resized
 nightdraft_planner_switches_total               counter
 nightdraft_drafter_request_failures_total       counter    requests decoded without drafts after a
                                                            drafter fault of their own
@@ -71,10 +73,16 @@ EXTRA_COUNTERS = {
     "steps": ("nightdraft_engine_steps_total", "Engine steps run"),
     "drafter_failures": ("nightdraft_drafter_failures_total", "Drafter worker failures"),
     "drafter_restarts": ("nightdraft_drafter_restarts_total", "Drafter worker restarts"),
+    "drafter_restart_failures": ("nightdraft_drafter_restart_failures_total",
+                                 "Drafter restart attempts that failed (each doubles the wait before the next)"),
     "drafter_catchup_tokens": ("nightdraft_drafter_catchup_tokens_total",
                                "Tokens re-fed to rebuild the drafter's KV cache (switching cost)"),
     "offloads": ("nightdraft_drafter_offloads_total", "Drafter weights moved off the device"),
     "reloads": ("nightdraft_drafter_reloads_total", "Drafter weights brought back to the device"),
+    "offload_failures": ("nightdraft_drafter_offload_failures_total",
+                         "Offloads that lent nothing: the KV pool could not grow (out of memory)"),
+    "reload_failures": ("nightdraft_drafter_reload_failures_total",
+                        "Reloads not started: the KV pool could not shrink back (out of memory)"),
     "planner_switches": ("nightdraft_planner_switches_total", "Planner decisions that changed mode or gamma"),
     "drafter_request_failures": ("nightdraft_drafter_request_failures_total",
                                  "Requests the drafter could not serve (they decoded without drafts)"),

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from backend.model.kv_cache import PagedKVCache
+from backend.model.kv_cache import PagedKVCache, release_cached_memory
 from backend.model.linear import drop_packed, pack_linears
 from backend.model.loader import load_model
 from backend.model.llama import CausalLM
@@ -159,6 +159,9 @@ class Drafter:
             st.kv_len, st.spec_tail = 0, []
         self._ahead.clear()
         self.kv = None
+        # Freed tensors stay in torch's CUDA cache, this process's only: give them back, so that
+        # the target (another process, when this is a worker) can have them.
+        release_cached_memory(self.device)
         return freed
 
     def reload(self) -> None:

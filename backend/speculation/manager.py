@@ -2,12 +2,16 @@
 track of what each sequence has sent it, notices when it fails, degrades to plain decoding
 meanwhile, and brings a fresh drafter up in the background.
 
-Whatever the drafter does wrong (a worker that dies, hangs or answers out of turn; an
-in-process drafter that raises) is a failure of the drafter, never of the engine's step: the
-step goes on without drafts, and a replacement comes up after `drafter_restart_s`. A
-replacement starts in the memory state of the drafter it replaces: if the weights had been
-offloaded (their device memory lent to the target's KV pool), it starts offloaded too, so the
-pool and the drafter never both claim that memory.
+Whatever the drafter does wrong (a worker that dies, hangs or answers out of turn, or whose
+weights do not come back within `drafter_reload_timeout_s`; an in-process drafter that raises)
+is a failure of the drafter, never of the engine's step: the step goes on without drafts, and a
+replacement comes up after `drafter_restart_s`. A drafter that fails again before it has served
+(one that cannot load, or dies at once) is retried after twice the wait, and twice that, up to
+`drafter_restart_max_s`: a broken drafter costs a restart now and then, not one every few
+seconds forever. Its state says where it is: "failed" while it waits for the next attempt,
+"restarting" while one is under way. A replacement starts in the memory state of the drafter it
+replaces: if the weights had been offloaded (their device memory lent to the target's KV pool),
+it starts offloaded too, so the pool and the drafter never both claim that memory.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from backend.model.kv_cache import PagedKVCache
 from backend.speculation.drafter import Drafter
 from backend.speculation.ngram import NgramProposer
 from backend.speculation.proposer import DraftRequest, Proposal, Proposer
-from backend.speculation.worker import RemoteDrafter, WorkerSpec
+from backend.speculation.worker import DrafterFailed, RemoteDrafter, WorkerSpec
 
 log = logging.getLogger("nightdraft.drafter")
 
@@ -41,6 +45,10 @@ class DrafterManager:
         self._dtype = dtype
         self.failures = 0
         self.restarts = 0
+        self.restart_failures = 0           # restart attempts that did not bring a drafter up
+        # Failures (of the drafter, or of an attempt to restart it) since a drafter last served:
+        # the wait before the next attempt doubles with each.
+        self.consecutive_failures = 0
         self.request_failures = 0           # requests the drafter could not serve (isolated)
         self.last_failure: str | None = None
         self._failed_at: float | None = None
@@ -50,6 +58,7 @@ class DrafterManager:
         self._lock = threading.Lock()
         self.offloaded = False
         self._reload = None                 # a future while weights travel back
+        self._reload_deadline = 0.0         # time.monotonic() by which they must be back
         self.last_reload_s = 0.0
         # seq id -> how many of its tokens the drafter has been sent (its sync offset)
         self._synced: dict[str, int] = {}
@@ -91,7 +100,7 @@ class DrafterManager:
                           start_offloaded=offloaded, pack_linears=cfg.linear_kernels == "auto",
                           attention=cfg.attention, compile=cfg.compile, max_query_len=cfg.gamma_max + 1)
         return RemoteDrafter(spec, vocab_size=self._vocab_size, max_rows=self._max_rows,
-                             timeout_s=cfg.drafter_timeout_s)
+                             timeout_s=cfg.drafter_timeout_s, reload_timeout_s=cfg.drafter_reload_timeout_s)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -107,6 +116,22 @@ class DrafterManager:
         if self._reload is not None:
             return "reloading"
         return "offloaded" if self.offloaded else "on_device"
+
+    @property
+    def restart_delay_s(self) -> float:
+        """The wait before the next restart attempt: `drafter_restart_s`, doubled for each
+        failure since a drafter last served, at most `drafter_restart_max_s`."""
+        cfg = self.config
+        doublings = min(max(self.consecutive_failures - 1, 0), 32)
+        return min(cfg.drafter_restart_s * 2 ** doublings, max(cfg.drafter_restart_max_s, cfg.drafter_restart_s))
+
+    @property
+    def next_restart_in_s(self) -> float | None:
+        """Seconds until the next restart attempt while the drafter is down and waiting; None
+        otherwise."""
+        if self.drafter is not None or self._restarting or self._replacement is not None or self._failed_at is None:
+            return None
+        return max(0.0, self._failed_at + self.restart_delay_s - time.monotonic())
 
     def device_bytes(self) -> int:
         """Bytes the drafter holds on its device now (weights + KV pool); 0 when offloaded."""
@@ -154,6 +179,7 @@ class DrafterManager:
             return
         try:
             self._reload = self.drafter.reload_async()
+            self._reload_deadline = time.monotonic() + self.config.drafter_reload_timeout_s
         except Exception as e:  # noqa: BLE001
             self._failed(e)
 
@@ -163,14 +189,18 @@ class DrafterManager:
             return None
         try:
             if not self._reload.done():
+                if time.monotonic() > self._reload_deadline:
+                    raise DrafterFailed(f"the drafter's weights did not come back within "
+                                        f"{self.config.drafter_reload_timeout_s:g}s (drafter_reload_timeout_s)")
                 return None
             seconds = self._reload.result()
-        except Exception as e:  # noqa: BLE001 - a failed reload is a failed drafter
+        except Exception as e:  # noqa: BLE001 - a failed (or hung) reload is a failed drafter
             self._failed(e)
             return None
         self._reload = None
         self.offloaded = False
         self.last_reload_s = seconds
+        self.consecutive_failures = 0       # it served: the next failure waits the base delay
         return seconds
 
     @property
@@ -234,6 +264,7 @@ class DrafterManager:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
+        self.consecutive_failures = 0       # it served
         for req, p in zip(pending.requests, proposals):
             if p.error is not None or p.resync:   # the drafter forgot it: resend it whole next time
                 self._synced.pop(req.seq_id, None)
@@ -254,10 +285,11 @@ class DrafterManager:
 
     def _failed(self, error: Exception) -> None:
         self.failures += 1
+        self.consecutive_failures += 1
         self.last_failure = f"{type(error).__name__}: {error}"
         self._failed_at = time.monotonic()
-        log.error("drafter failed (%s); decoding without speculation until a new one is up",
-                  self.last_failure)
+        log.error("drafter failed (%s); decoding without speculation until a new one is up "
+                  "(next attempt in %.1fs)", self.last_failure, self.restart_delay_s)
         dead, self.drafter = self.drafter, None
         if self._reload is not None:
             # The target pool shrank back before the reload began: a replacement may load
@@ -286,7 +318,7 @@ class DrafterManager:
                      " once its weights are back" if self.offloaded else "")
             return True
         if (not self._restarting and self._failed_at is not None
-                and time.monotonic() - self._failed_at >= self.config.drafter_restart_s):
+                and time.monotonic() - self._failed_at >= self.restart_delay_s):
             self._restarting = True
             threading.Thread(target=self._restart, args=(self.offloaded,),
                              name="nightdraft-drafter-restart", daemon=True).start()
@@ -301,8 +333,11 @@ class DrafterManager:
             if fresh is not None:     # the engine closed meanwhile
                 fresh.close(timeout_s=1.0)
         except Exception as e:  # noqa: BLE001 - a failed restart is retried later
-            log.error("drafter restart failed: %s", e)
+            self.restart_failures += 1
+            self.consecutive_failures += 1
+            self.last_failure = f"restart: {type(e).__name__}: {e}"
             self._failed_at = time.monotonic()
+            log.error("drafter restart failed (%s); next attempt in %.1fs", e, self.restart_delay_s)
         finally:
             self._restarting = False
 

@@ -149,7 +149,8 @@ class DraftFuture:
 
 
 class ReloadFuture:
-    """Weights travelling back to the worker's device; `done()` never blocks."""
+    """Weights travelling back to the worker's device; `done()` never blocks. (Its owner gives
+    up on it after ``reload_timeout_s``: DrafterManager.poll_reload.)"""
 
     def __init__(self, owner: "RemoteDrafter"):
         self._owner = owner
@@ -174,10 +175,11 @@ class ReloadFuture:
 
 class RemoteDrafter:
     def __init__(self, spec: WorkerSpec, *, vocab_size: int, max_rows: int, timeout_s: float = 10.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, reload_timeout_s: float | None = None):
         self.spec = spec
         self.timeout_s = timeout_s
-        self.reload_timeout_s = max(timeout_s, 60.0)
+        # A reload moves every weight: it may take longer than any other message.
+        self.reload_timeout_s = reload_timeout_s if reload_timeout_s is not None else max(timeout_s, 60.0)
         self._ctx = mp.get_context("spawn")
         self._probs = None
         if spec.transport == "shared_buffer":
