@@ -75,3 +75,4 @@ def test_a_row_that_allows_nothing_keeps_the_drafts_before_it():
     for greedy in (False, True):
         decided = _decide("a", p=[0.5, 0.5], q=[0.0, 1.0], greedy=greedy, runs=50, min_tokens=2)
         assert [d.tokens for d in decided] == [[A]] * 50
+        assert [d.accepted for d in decided] == [1] * 50, "the draft was accepted"

@@ -356,7 +356,7 @@ class Engine:
         else:
             self.kv.truncate(seq.request_id, seq.num_computed)
         if s.gamma:
-            self._count_drafts(seq, s.gamma, len(tokens) - 1, step)
+            self._count_drafts(seq, s.gamma, decided.accepted, step)
         if s.num_new == 1:            # a decode/verify call (prefill's first token excluded)
             step.target_calls += 1
             self._stats.target_calls += 1

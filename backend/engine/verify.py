@@ -34,6 +34,14 @@ Rows = list[tuple[int, int]]      # per scheduled sequence: (first logits row, r
 class Decided:
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None     # when the request asked for them
+    # The tokens end with one verification drew (the bonus, or the one after a rejected draft);
+    # False when the step stops at an accepted draft, before a row that allows no token.
+    drawn_last: bool = True
+
+    @property
+    def accepted(self) -> int:
+        """Drafts this step accepted."""
+        return len(self.tokens) - 1 if self.drawn_last else len(self.tokens)
 
 
 def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
@@ -82,16 +90,19 @@ def decide(batch: list[ScheduledSeq], rows: Rows, logits: torch.Tensor,
             out[i] = verify_greedy(argmax[first:first + n], batch[i].drafts if batch[i].gamma else [])
     greedy_set = set(greedy)
     probs = _sample_all(batch, rows, logits, [i for i in todo if i not in greedy_set], out)
-    for i, j in ends_before.items():
-        if isinstance(out[i], list):
+    for i, j in list(ends_before.items()):
+        if isinstance(out[i], list) and len(out[i]) > j:
             out[i] = out[i][:j]
+        else:
+            del ends_before[i]
     for i in todo:
         if isinstance(out[i], list):
             want = batch[i].seq.params.logprobs
             tokens = out[i]
             try:
                 out[i] = Decided(tokens, None if want is None else
-                                 _logprobs(logits[rows[i][0]:rows[i][0] + len(tokens)], probs.get(i), tokens, want))
+                                 _logprobs(logits[rows[i][0]:rows[i][0] + len(tokens)], probs.get(i), tokens, want),
+                                 drawn_last=i not in ends_before)
             except Exception as e:  # noqa: BLE001 - this request alone
                 out[i] = e
     return out
