@@ -306,7 +306,8 @@ def test_a_drafter_that_cannot_load_is_retried_with_growing_waits_up_to_a_cap(tm
     """The checkpoint goes missing under a running server and the worker dies: every new worker
     fails to load. Attempts come at growing intervals (0.2 s, 0.4 s, then the 0.8 s cap), not
     every 0.2 s forever, the state says so, and once the checkpoint is back the next attempt
-    brings a drafter that drafts (and the wait is back at its base)."""
+    brings a drafter that drafts (and the wait is back at its base once it has served for as long as
+    the wait before it)."""
     import shutil
     from backend.speculation.manager import DrafterManager
     drafter_dir = shutil.copytree(TINY_DRAFTER, tmp_path / "drafter")
@@ -358,6 +359,9 @@ def test_a_drafter_that_cannot_load_is_retried_with_growing_waits_up_to_a_cap(tm
         out = engine.generate(prompts[:2], GREEDY)
         assert [c.output_ids for c in out] == ar_outputs[:2]
         assert engine.stats().drafted_tokens > before, "the new worker does not draft"
+        # The wait starts over once the new drafter has served for as long as the wait before it.
+        time.sleep(max(0.0, engine.drafter._up_since + 0.8 - time.monotonic()))
+        engine.generate(prompts[:1], GREEDY)
         assert engine.drafter.restart_delay_s == 0.2, "the wait did not go back to its base"
     finally:
         if not weights.exists():

@@ -132,7 +132,7 @@ def test_an_offload_whose_pool_cannot_grow_lends_nothing_and_serving_goes_on(pro
     def no_room(*args, **kwargs):
         raise OUT_OF_MEMORY("injected: no room for the bigger pool")
     with monkeypatch.context() as m:       # the target pool's new storage only (the drafter's
-        m.setattr(engine.kv, "_new_storage", no_room)     # reload, under way at once, has room)
+        m.setattr(engine.kv, "new_storage", no_room)     # reload, under way at once, has room)
         memory.offload()
     # Nothing lent: the pool kept its size and its storage, the weights are on their way back.
     assert engine.kv.num_blocks == base == engine.kv.kv.shape[2]

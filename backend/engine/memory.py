@@ -114,9 +114,12 @@ class ElasticMemory:
         if self.kv.num_blocks > self.base_blocks:
             if time.monotonic() < self._retry_at:
                 return
-            self.preempted_for_reload += self.scheduler.preempt_until(self.base_blocks)
             try:
-                self.kv.resize(self.base_blocks)
+                # The smaller pool first: preempting for a shrink that then cannot happen would
+                # throw computed K/V away for nothing (and again at every retry).
+                storage = self.kv.new_storage(self.base_blocks)
+                self.preempted_for_reload += self.scheduler.preempt_until(self.base_blocks)
+                self.kv.resize(self.base_blocks, storage=storage)
             except (RuntimeError, MemoryError) as e:      # the pool still holds the lent bytes
                 self._resize_failed("reload_failed", e)
                 self.failed_reloads += 1

@@ -149,12 +149,14 @@ class PagedKVCache:
         self._tables: dict[Hashable, list[int]] = {}
         # Zero-filled, never empty(): masked-out keys are still multiplied by 0 in attention, and
         # 0 * NaN from uninitialised memory would poison the output.
-        self.kv = self._new_storage(num_blocks)
+        self.kv = self.new_storage(num_blocks, zero_from=0)
         self._layers = self._layer_views()
 
-    def _new_storage(self, num_blocks: int, zero_from: int = 0) -> torch.Tensor:
-        """Storage for `num_blocks` blocks; blocks from `zero_from` on are zero-filled (the ones
-        below are about to be copied over)."""
+    def new_storage(self, num_blocks: int, zero_from: int | None = None) -> torch.Tensor:
+        """Storage for `num_blocks` blocks; blocks from `zero_from` on (by default: beyond the
+        current pool, whose blocks a resize copies over) are zero-filled."""
+        if zero_from is None:
+            zero_from = self.num_blocks
         shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.head_dim, self._block_size)
         if zero_from <= 0:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -271,7 +273,7 @@ class PagedKVCache:
     def seq_ids(self) -> list:
         return list(self._tables)
 
-    def resize(self, num_blocks: int) -> None:
+    def resize(self, num_blocks: int, storage: torch.Tensor | None = None) -> None:
         """Grow the pool (new free blocks) or shrink it. Shrinking moves the K/V of used blocks
         above the new size into free low blocks and rewrites the block tables, so sequences keep
         their contents.
@@ -287,7 +289,8 @@ class PagedKVCache:
         if num_blocks == old:
             return
         moves = self._allocator.relocation(num_blocks)     # raises before anything changes
-        kv = self._new_storage(num_blocks, zero_from=old)   # may raise (out of memory)
+        # may raise (out of memory); `storage`: allocated beforehand by new_storage(num_blocks)
+        kv = storage if storage is not None else self.new_storage(num_blocks)
         keep = min(old, num_blocks)
         kv[:, :, :keep] = self.kv[:, :, :keep]
         if moves:

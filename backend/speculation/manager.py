@@ -49,6 +49,7 @@ class DrafterManager:
         # Failures (of the drafter, or of an attempt to restart it) since a drafter last served:
         # the wait before the next attempt doubles with each.
         self.consecutive_failures = 0
+        self._up_since = time.monotonic()   # when the drafter in use came up
         self.request_failures = 0           # requests the drafter could not serve (isolated)
         self.last_failure: str | None = None
         self._failed_at: float | None = None
@@ -200,7 +201,7 @@ class DrafterManager:
         self._reload = None
         self.offloaded = False
         self.last_reload_s = seconds
-        self.consecutive_failures = 0       # it served: the next failure waits the base delay
+        self._served()
         return seconds
 
     @property
@@ -264,7 +265,7 @@ class DrafterManager:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
-        self.consecutive_failures = 0       # it served
+        self._served()
         for req, p in zip(pending.requests, proposals):
             if p.error is not None or p.resync:   # the drafter forgot it: resend it whole next time
                 self._synced.pop(req.seq_id, None)
@@ -282,6 +283,13 @@ class DrafterManager:
             self.drafter.free(seq_id)
         except Exception as e:  # noqa: BLE001
             self._failed(e)
+
+    def _served(self) -> None:
+        """The drafter served. The backoff starts over only once it has stayed up as long as the
+        wait that preceded it: a drafter that serves once and dies again (killed every few
+        seconds, out of memory on its second batch) keeps backing off."""
+        if time.monotonic() - self._up_since >= self.restart_delay_s:
+            self.consecutive_failures = 0
 
     def _failed(self, error: Exception) -> None:
         self.failures += 1
@@ -312,6 +320,7 @@ class DrafterManager:
             ready, self._replacement = self._replacement, None
         if ready is not None:
             self.drafter = ready
+            self._up_since = time.monotonic()
             self.restarts += 1
             log.info("drafter restarted%s; speculation resumes%s",
                      f" (pid {ready.pid})" if getattr(ready, "pid", None) else "",
