@@ -122,6 +122,16 @@ def test_tokens_request():
         TokenRequest(FakePb, FakeRequest({"input_ids": np.array([], dtype=np.int32)}))
 
 
+@pytest.mark.parametrize("options", [{"skip_special_tokens": False}, {"spaces_between_special_tokens": False},
+                                     {"prompt_logprobs": 2}])
+def test_the_token_model_refuses_text_options_it_cannot_honour(options):
+    import json
+    req = FakeRequest({"input_ids": np.array([5, 6, 7], dtype=np.int32),
+                       "sampling_parameters": np.array([json.dumps(options).encode()], dtype=np.object_)})
+    with pytest.raises(InvalidRequest, match=next(iter(options))):
+        TokenRequest(FakePb, req)
+
+
 # ------------------------------------------------------------------------------ metrics
 
 

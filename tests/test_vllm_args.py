@@ -273,3 +273,19 @@ def test_the_migration_guide_lists_every_argument_with_its_kind():
     assert not wrong, f"{GUIDE.name} gives another kind for {wrong}"
     assert not sorted(set(rows) - set(table)), "the guide lists arguments the code does not know"
     assert {a.kind for a in table.values()} == {MAPPED, IGNORED, REFUSED}
+
+
+
+@pytest.mark.parametrize("key,value", [
+    ("structured_outputs_config", {"disable_any_whitespace": True}),
+    ("guided_decoding_disable_any_whitespace", True),
+    ("guided_decoding_disable_additional_properties", True),
+])
+def test_engine_wide_structured_output_defaults_that_change_outputs_are_refused(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=key):
+        mapped({"model": str(TINY_TARGET), key: value}, tmp_path)
+
+
+def test_a_structured_outputs_backend_choice_is_ignored(tmp_path):
+    out = mapped({"model": str(TINY_TARGET), "structured_outputs_config": {"backend": "xgrammar"}}, tmp_path)
+    assert out.engine

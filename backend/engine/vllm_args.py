@@ -64,6 +64,16 @@ def _r(why: str, neutral: Callable[[Any], bool] = _OFF) -> Arg:
 
 _LOGGING = "logging and tracing of vLLM's own engine; nightdraft logs through Triton and exports metrics"
 _STRUCTURED = "structured outputs are always compiled with xgrammar (docs/structured-outputs.md)"
+_STRUCTURED_DEFAULTS = ("engine-wide defaults that change what a constrained request generates (whitespace, extra "
+                        "properties); nightdraft takes them per request, in structured_outputs")
+
+
+def _no_output_defaults(v: Any) -> bool:
+    """A structured_outputs_config that changes no output: only the backend and its fallback."""
+    return _OFF(v) or (isinstance(v, dict) and not any(
+        v.get(k) for k in ("disable_any_whitespace", "disable_additional_properties")))
+
+
 _PERF = "a performance setting of vLLM's executor; outputs do not depend on it"
 _MM = "multimodal input; nightdraft serves text models (a multimodal architecture is refused by the loader)"
 _LORA = "LoRA adapters; used only with enable_lora, which is refused"
@@ -214,11 +224,11 @@ ARGS: dict[str, Arg] = {
     "show_hidden_metrics_for_version": _i(_LOGGING, _ANY),
     "otlp_traces_endpoint": _i(_LOGGING),
     "collect_detailed_traces": _i(_LOGGING),
-    "structured_outputs_config": _i(_STRUCTURED, _ANY),
+    "structured_outputs_config": _r(_STRUCTURED_DEFAULTS, _no_output_defaults),
     "guided_decoding_backend": _i(_STRUCTURED, _ANY),
     "guided_decoding_disable_fallback": _i(_STRUCTURED, _ANY),
-    "guided_decoding_disable_any_whitespace": _i(_STRUCTURED + "; a request sets disable_any_whitespace", _ANY),
-    "guided_decoding_disable_additional_properties": _i(_STRUCTURED, _ANY),
+    "guided_decoding_disable_any_whitespace": _r(_STRUCTURED_DEFAULTS),
+    "guided_decoding_disable_additional_properties": _r(_STRUCTURED_DEFAULTS),
     "reasoning_parser": _i("reasoning parsing belongs to an OpenAI-compatible front end", _ANY),
     "logits_processor_pattern": _i("custom logits processors are not run; the pattern only allows them"),
     "pooler_config": _i(_POOLING),

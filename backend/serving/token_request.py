@@ -49,6 +49,7 @@ class TokenRequest(ServedRequest):
             if v is not None:
                 raw[key] = v
         self.params = SamplingParams.from_dict(raw)
+        _refuse_text_options(self.params)
         self._ids: list[int] = []       # every id generated so far
         self._win_start = 0             # where the next window starts
         self._win_read = 0              # ids already sent
@@ -101,3 +102,16 @@ def _input_ids(pb: Any, request: Any, limits: RequestLimits | None) -> list[int]
             raise InvalidRequest(f"token id(s) {ids[outside][:5].tolist()} outside the vocabulary "
                                  f"[0, {limits.vocab_size})")
     return ids.tolist()
+
+
+def _refuse_text_options(params: SamplingParams) -> None:
+    """This model sends token ids; `postprocessing` decodes them with the tokenizer's defaults and
+    there is no output for the prompt's log-probabilities. Options that would change what it
+    cannot change are refused by name, never ignored."""
+    asked = [k for k in ("skip_special_tokens", "spaces_between_special_tokens") if not getattr(params, k)]
+    if params.prompt_logprobs is not None:
+        asked.append("prompt_logprobs")
+    if asked:
+        raise InvalidRequest(f"{', '.join(asked)}: not supported through the ensemble (token ids out, "
+                             f"text decoded by postprocessing with the tokenizer's defaults); "
+                             f"send the request to the nightdraft model")
