@@ -119,15 +119,22 @@ def _drive(engine: Engine, n: int, tokens: dict) -> None:
             tokens[int(o.request_id)] += o.new_token_ids
 
 
-def test_an_offload_whose_pool_cannot_grow_lends_nothing_and_serving_goes_on(prompts, ar_outputs, monkeypatch):
-    from memory_faults import OUT_OF_MEMORY
+def _decoding_without_drafts(prompts, steps: int):
+    """An SD engine with a 64-block pool, 4 requests `steps` steps in, then gamma 0 (so the
+    drafter can go and come back without drafts in flight)."""
     engine, memory = sd_engine_with_memory(kv_blocks=64)
-    base = engine.kv.num_blocks
     tokens = {i: [] for i in range(4)}
     for i, p in enumerate(prompts[:4]):
         engine.add_request(str(i), p, GREEDY)
-    _drive(engine, 3, tokens)
+    _drive(engine, steps, tokens)
     engine.set_gamma(0)
+    return engine, memory, tokens
+
+
+def test_an_offload_whose_pool_cannot_grow_lends_nothing_and_serving_goes_on(prompts, ar_outputs, monkeypatch):
+    from memory_faults import OUT_OF_MEMORY
+    engine, memory, tokens = _decoding_without_drafts(prompts, steps=3)
+    base = engine.kv.num_blocks
 
     def no_room(*args, **kwargs):
         raise OUT_OF_MEMORY("injected: no room for the bigger pool")
@@ -159,13 +166,8 @@ def test_an_offload_whose_pool_cannot_grow_lends_nothing_and_serving_goes_on(pro
 
 def test_a_reload_whose_pool_cannot_shrink_keeps_the_memory_lent(prompts, ar_outputs, monkeypatch):
     from memory_faults import allocations_fail
-    engine, memory = sd_engine_with_memory(kv_blocks=64)
+    engine, memory, tokens = _decoding_without_drafts(prompts, steps=2)
     base = engine.kv.num_blocks
-    tokens = {i: [] for i in range(4)}
-    for i, p in enumerate(prompts[:4]):
-        engine.add_request(str(i), p, GREEDY)
-    _drive(engine, 2, tokens)
-    engine.set_gamma(0)
     memory.offload()
     grown = engine.kv.num_blocks
     assert grown > base
