@@ -13,6 +13,8 @@ alike. Rows say which comparison they are:
   ngram    SD with n-gram (prompt lookup) drafts: no drafter, the target on one core (as ar-1dev)
   ngram-auto  mode auto over the n-gram proposer: the planner picks plain decoding or a gamma
   ngram-auto-cold  the same, the planner started without its calibrated cost model
+  auto     mode auto with the drafter in its worker on its own core (what `mode: auto` serves):
+           the planner picks plain decoding, SD or PSD and gamma, per step
   auto-both  mode auto holding the drafter model (in its worker) and an n-gram proposer: the
              planner picks plain decoding, drafter SD / PSD or n-gram SD, and gamma, per step
 
@@ -39,7 +41,7 @@ from client.plotting import pyplot
 
 CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd")
 AHEAD_CONFIGS = ("sd-ahead", "psd-ahead")
-BOTH_CONFIGS = ("auto-both",)
+AUTO_CONFIGS = ("auto", "auto-both")
 NGRAM_CONFIGS = ("ngram", "ngram-auto", "ngram-auto-cold")
 
 
@@ -77,39 +79,43 @@ def _apply(p: Placement) -> None:
     torch.set_num_threads(p.threads)
 
 
+def engine_config(name: str, args) -> tuple[dict, Placement]:
+    """One configuration's engine keys (also a server's engine.json) and its target's placement."""
+    one, both = _placements()
+    cfg = dict(target=args.target, device=args.device, dtype=args.dtype,
+               kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0, **executor_args(args))
+    drafter = dict(drafter=args.drafter, gamma=args.gamma, drafter_device="cpu")
+    if name == "ar-1dev":
+        return cfg | {"num_threads": one.threads}, one
+    if name == "ar-2dev":
+        return cfg | {"num_threads": both.threads}, both
+    if name in ("sd", "psd") + AHEAD_CONFIGS:
+        return cfg | drafter | {"mode": name.removesuffix("-ahead"), "draft_ahead": name in AHEAD_CONFIGS,
+                                "num_threads": one.threads}, one
+    if name in AUTO_CONFIGS:
+        proposer = {"proposer": "both"} if name == "auto-both" else {}
+        return cfg | drafter | {"mode": "auto", "num_threads": one.threads} | proposer, one
+    if name in NGRAM_CONFIGS:
+        return cfg | {"proposer": "ngram", "mode": "sd" if name == "ngram" else "auto", "gamma": args.gamma,
+                      "num_threads": one.threads,
+                      "planner_cost_profile": "off" if name.endswith("-cold") else "calibrate"}, one
+    raise ValueError(f"unknown config {name!r}; "
+                     f"choose from {CONFIGS + AHEAD_CONFIGS + NGRAM_CONFIGS + AUTO_CONFIGS}")
+
+
 def build_engines(args, names: list[str]) -> dict:
     from backend.engine.engine import Engine
     from backend.engine.config import EngineConfig
 
-    one, both = _placements()
-    common = dict(target=args.target, device=args.device, dtype=args.dtype,
-                  kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0, **executor_args(args))
+    _, both = _placements()
     engines = {}
     for name in names:
+        cfg, placement = engine_config(name, args)
         print(f"loading {name} ...", file=sys.stderr)
         # An engine with a worker pins this process to the target's cores; the next one must
         # plan its worker's core from all of them, or its worker lands on the target's core.
         os.sched_setaffinity(0, both.cores)
-        if name == "ar-1dev":
-            engines[name] = (Engine(EngineConfig(**common, num_threads=one.threads)), one)
-        elif name == "ar-2dev":
-            engines[name] = (Engine(EngineConfig(**common, num_threads=both.threads)), both)
-        elif name in ("sd", "psd") + AHEAD_CONFIGS:
-            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, mode=name.removesuffix("-ahead"),
-                                                 gamma=args.gamma, drafter_device="cpu",
-                                                 draft_ahead=name in AHEAD_CONFIGS,
-                                                 num_threads=one.threads)), one)
-        elif name in BOTH_CONFIGS:
-            engines[name] = (Engine(EngineConfig(**common, drafter=args.drafter, proposer="both", mode="auto",
-                                                 gamma=args.gamma, drafter_device="cpu",
-                                                 num_threads=one.threads)), one)
-        elif name in NGRAM_CONFIGS:
-            engines[name] = (Engine(EngineConfig(**common, proposer="ngram", mode="sd" if name == "ngram" else "auto",
-                                                 gamma=args.gamma, num_threads=one.threads,
-                                                 planner_cost_profile="off" if name.endswith("-cold") else "calibrate")), one)
-        else:
-            raise ValueError(f"unknown config {name!r}; "
-                             f"choose from {CONFIGS + AHEAD_CONFIGS + NGRAM_CONFIGS + BOTH_CONFIGS}")
+        engines[name] = (Engine(EngineConfig(**cfg)), placement)
     return engines
 
 

@@ -6,14 +6,16 @@ from the machine's measured capacity and a tight KV budget, so that the high pha
 memory pressure is real. The same arrival schedule (same seed) is replayed, in real time, against
 each configuration:
 
-  ar                   plain decoding
+  ar                   plain decoding, the target on one core (the core it has beside a drafter)
+  ar_all_cores         plain decoding given every core (the baseline of a user without a drafter)
   sd                   sequential SD, fixed gamma
   psd                  batch-parallel SD, fixed gamma
   adaptive             mode "auto": the planner picks mode and gamma, and may offload the drafter
   adaptive_no_offload  the same planner, never offloading
 
-Placement is the same for all: the target runs one thread on its core; wherever there is a
-drafter it runs in its worker on the other core. On a CPU host the two share one RAM budget, so
+Placement: the target runs one thread on its core; wherever there is a drafter it runs in its
+worker on the other core; ``ar_all_cores`` instead gives plain decoding every core (one thread
+per core), because the drafter's core could serve the target instead. On a CPU host the two share one RAM budget, so
 an offloaded drafter's bytes (weights and KV pool) become target KV blocks.
 
 In-process by default (the engine stepped by this process); ``--server`` sends the same schedule
@@ -43,7 +45,7 @@ from client.dynamic_report import Record, RunResult, Targets
 from client.load_shapes import SHAPES, Arrival, schedule
 from client.prompts import load_prompts
 
-CONFIGS = ("ar", "sd", "psd", "adaptive", "adaptive_no_offload")
+CONFIGS = ("ar", "ar_all_cores", "sd", "psd", "adaptive", "adaptive_no_offload")
 BASE_PHASE_S = 20.0
 TIMELINE_EVERY_S = 0.25     # the timeline records every change of mode, and samples the queue
 
@@ -96,6 +98,8 @@ def engine_config(name: str, args) -> dict:
                gamma_max=max(args.gamma_max, args.gamma))
     if name == "ar":
         return cfg | {"mode": "ar", "gamma": 0}
+    if name == "ar_all_cores":
+        return cfg | {"mode": "ar", "gamma": 0, "num_threads": len(os.sched_getaffinity(0))}
     cfg |= {"drafter": str(Path(args.drafter).resolve()), "drafter_device": "cpu"}
     if name in ("sd", "psd"):
         return cfg | {"mode": name, "gamma": args.gamma}
@@ -188,7 +192,10 @@ def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
         return replay_on_server(engine_config(name, args), arrivals, bounds, args)
     os.sched_setaffinity(0, cores)     # the drafter worker picks its core from the full set
     engine = make_engine(name, args)
-    _place_target(cores)
+    if name == "ar_all_cores":
+        torch.set_num_threads(len(cores))
+    else:
+        _place_target(cores)
     try:
         return replay(engine, arrivals, bounds, args)
     finally:

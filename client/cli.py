@@ -5,8 +5,8 @@ import argparse
 import logging
 import sys
 
-from client import (backend_dir, bench_compare, bench_dynamic, bench_offline, bench_profile, bench_serve, bench_vllm,
-                    launcher, triton_client)
+from client import (backend_dir, bench_compare, bench_dynamic, bench_levels, bench_offline, bench_profile,
+                    bench_serve, bench_vllm, launcher, triton_client)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_offline.add_offline_parser(bench_sub)
     bench_compare.add_compare_parser(bench_sub)
     bench_dynamic.add_dynamic_parser(bench_sub)
+    bench_levels.add_levels_parser(bench_sub)
     bench_serve.add_bench_serve_parser(bench_sub)
     bench_vllm.add_vllm_parser(bench_sub)
     bench_profile.add_profile_parser(bench_sub)

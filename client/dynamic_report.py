@@ -20,7 +20,7 @@ from client.plotting import pyplot
 
 METRICS = ("throughput_tok_s", "goodput_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
            "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "e2e_mean_s", "e2e_p99_s")
-FIXED = ("ar", "sd", "psd")
+FIXED = ("ar", "ar_all_cores", "sd", "psd")
 ADAPTIVE = ("adaptive", "adaptive_no_offload")
 
 

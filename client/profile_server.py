@@ -34,7 +34,7 @@ def engine_config(args, name: str) -> dict:
     return cfg
 
 
-def _drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
+def drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
     def one(p: str) -> int:
         n = 0
         for chunk in client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True):
@@ -46,7 +46,7 @@ def _drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
     return time.perf_counter() - t0, len(prompts) * args.max_tokens
 
 
-def _drive_perf_analyzer(grpc_url: str, conc: int, args) -> float:
+def drive_perf_analyzer(grpc_url: str, conc: int, args) -> float:
     """perf_analyzer at `conc` streams for three windows of ``--pa-window-s``; returns the wall
     time it ran (the caller reads the tokens from the server's counters around it)."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "perf_analyzer.sh"
@@ -71,9 +71,9 @@ def profile_on_server(args, names: list[str], levels: list[int], prompts: list[s
                 n = max(4, int(conc * args.requests_per_level))
                 before = scrape_metrics(served.metrics_url, MODEL)
                 if args.server_client == "perf_analyzer":
-                    wall, tokens = _drive_perf_analyzer(served.client.url, conc, args), 0
+                    wall, tokens = drive_perf_analyzer(served.client.url, conc, args), 0
                 else:
-                    wall, tokens = _drive(served.client, prompts[:n], conc, args)
+                    wall, tokens = drive(served.client, prompts[:n], conc, args)
                 time.sleep(0.5)        # the engine-wide counters are refreshed when it goes idle
                 after = scrape_metrics(served.metrics_url, MODEL)
                 steps = after.get("nightdraft_engine_steps_total", 0) - before.get("nightdraft_engine_steps_total", 0)

@@ -172,3 +172,26 @@ def test_bench_dynamic_through_tritonserver(tmp_path):
     # the server's gauges were followed: the fixed sd config speculated throughout
     tl = report["configs"]["sd"]["timeline"]
     assert any(e["mode"] == "sd" and e["gamma"] == 3 for e in tl)
+
+
+def test_plain_decoding_on_every_core_is_a_fixed_baseline(tmp_path):
+    # A user without a drafter runs plain decoding on all cores: it must count as a fixed
+    # configuration adaptive is compared with, configured with one thread per core.
+    import argparse
+    import os
+    from client.bench_dynamic import engine_config
+    from model_factory import TINY_DRAFTER, TINY_TARGET
+    args = argparse.Namespace(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), kv_blocks=64, seed=0,
+                              gamma=3, gamma_max=4, planner=None)
+    cfg = engine_config("ar_all_cores", args)
+    assert cfg["mode"] == "ar" and cfg["num_threads"] == len(os.sched_getaffinity(0))
+    assert engine_config("ar", args)["num_threads"] == 1
+
+    def cfg_with(goodput):
+        phase = {"throughput_tok_s": goodput, "goodput_tok_s": goodput, "ttft_mean_s": 1.0, "e2e_mean_s": 1.0}
+        return {"phases": [phase], "overall": dict(phase)}
+    configs = {"ar": cfg_with(50.0), "ar_all_cores": cfg_with(90.0), "sd": cfg_with(60.0),
+               "adaptive": cfg_with(81.0)}
+    r = regret(configs, 1)["adaptive"]
+    assert r["goodput_vs_best_fixed"] == {"best_fixed": "ar_all_cores", "ratio": pytest.approx(0.9)}
+    assert r["per_phase"][0]["goodput_tok_s"]["best_fixed"] == "ar_all_cores"

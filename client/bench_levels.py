@@ -1,0 +1,230 @@
+"""`nightdraft bench levels`: "pays off at every load level" as one table.
+
+At each fixed concurrency (closed loop: every finished request is replaced at once) and through
+both paths a user meets, in process and through a real tritonserver, it runs side by side:
+
+  ar-1dev  plain decoding, the target on one core (the core it keeps beside a drafter)
+  ar-2dev  plain decoding on every core: the baseline of a user who runs no drafter
+  sd       sequential SD, the drafter in its worker on its own core
+  psd      batch-parallel SD, the same two devices
+  auto     mode auto: the planner picks plain decoding, SD or PSD and gamma per step
+
+and reports auto's throughput against the best fixed configuration of that level (the
+"best fixed" includes plain decoding on every core) and against plain decoding on every core.
+
+In process every configuration is loaded once and, at each concurrency, runs the same prompts in
+turn, the order rotating between repeats. Through the server all configurations are served at
+once (one tritonserver each, idle while another is measured) and measured in the same rotating
+order, by perf_analyzer (C++, light on the shared cores; the default) or by this process's gRPC
+streams (``--server-client python``); the server's throughput is its own generated-token
+counter over the measured wall time.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from client.bench_compare import build_engines, engine_config, run_level
+from client.bench_offline import add_engine_args
+from client.plotting import pyplot
+from client.prompts import load_prompts
+
+CONFIGS = ("ar-1dev", "ar-2dev", "sd", "psd", "auto")
+ADAPTIVE = "auto"
+PATHS = ("in-process", "server")
+
+
+def add_levels_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("levels", help="auto beside plain decoding and the best fixed mode, per concurrency, "
+                                            "in process and through tritonserver")
+    add_engine_args(p)
+    p.add_argument("--gamma", type=int, default=4, help="gamma of sd and psd (auto's largest)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests-per-level", type=float, default=2.0,
+                   help="requests per run = this x concurrency (at least 8)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", default=None, help='a prompts file, or a bundled set: "heldout" (default)')
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--paths", default=",".join(PATHS), help="in-process, server, or both")
+    p.add_argument("--server-client", choices=("perf_analyzer", "python"), default="perf_analyzer",
+                   help="who loads the server: perf_analyzer (C++) or gRPC streams from this process")
+    p.add_argument("--pa-window-s", type=float, default=4.0,
+                   help="perf_analyzer's measurement window (it measures three)")
+    p.add_argument("--json", default="bench-levels.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to --json)")
+    p.set_defaults(func=run_levels_cli)
+
+
+def run_levels_cli(args) -> int:
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS}")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or any(p not in PATHS for p in paths):
+        raise ValueError(f"--paths: choose from {PATHS}, got {args.paths!r}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runs: list[dict] = []
+    if "in-process" in paths:
+        runs += measure_in_process(args, names, levels)
+    if "server" in paths:
+        runs += measure_on_server(args, names, levels)
+    rows = summarise(runs)
+    report = {"max_tokens": args.max_tokens, "temperature": args.temperature, "gamma": args.gamma,
+              "target": args.target, "drafter": args.drafter, "repeats": args.repeats,
+              "server_client": args.server_client, "cores": sorted(os.sched_getaffinity(0)),
+              "torch": torch.__version__, "runs": runs, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(format_table(rows))
+    plot = args.plot or str(Path(args.json).with_suffix(".png"))
+    draw(rows, plot)
+    print(f"wrote {args.json} and {plot}", file=sys.stderr)
+    return 0
+
+
+def _rotated(names: list[str], rep: int) -> list[str]:
+    return names[rep % len(names):] + names[:rep % len(names)]
+
+
+def measure_in_process(args, names: list[str], levels: list[int]) -> list[dict]:
+    cores = sorted(os.sched_getaffinity(0))
+    engines = build_engines(args, names)
+    runs = []
+    try:
+        for engine, placement in engines.values():     # compiles its graphs, not measured
+            run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6,
+                      temperature=args.temperature)
+        for level in levels:
+            prompts = load_prompts(args.prompts, max(8, int(args.requests_per_level * level)))
+            for rep in range(args.repeats):
+                for name in _rotated(names, rep):
+                    engine, placement = engines[name]
+                    r = run_level(engine, placement, prompts, concurrency=level,
+                                  max_tokens=args.max_tokens, temperature=args.temperature)
+                    runs.append({"path": "in-process", "config": name, "concurrency": level, "repeat": rep,
+                                 "tokens_per_s": r["tokens_per_s"], "mean_latency_s": r["mean_latency_s"]})
+                    _progress(runs[-1])
+    finally:
+        for engine, _ in engines.values():
+            engine.close()
+        os.sched_setaffinity(0, cores)
+    return runs
+
+
+def measure_on_server(args, names: list[str], levels: list[int]) -> list[dict]:
+    from client.bench_serve import scrape_metrics
+    from client.dynamic_server import MODEL, serving
+    from client.profile_server import drive, drive_perf_analyzer
+
+    prompts = load_prompts(args.prompts, max(8, int(args.requests_per_level * max(levels))))
+    runs = []
+    with contextlib.ExitStack() as stack:
+        served = {}
+        for name in names:
+            print(f"starting tritonserver for {name} ...", file=sys.stderr)
+            served[name] = stack.enter_context(serving(engine_config(name, args)[0], prompts[:2], args.temperature))
+        for level in levels:
+            n = max(8, int(args.requests_per_level * level))
+            for rep in range(args.repeats):
+                for name in _rotated(names, rep):
+                    s = served[name]
+                    before = scrape_metrics(s.metrics_url, MODEL)
+                    t0 = time.perf_counter()
+                    if args.server_client == "perf_analyzer":
+                        drive_perf_analyzer(s.client.url, level, args)
+                    else:
+                        drive(s.client, prompts[:n], level, args)
+                    wall = time.perf_counter() - t0
+                    time.sleep(0.5)        # the engine-wide counters are refreshed when it goes idle
+                    after = scrape_metrics(s.metrics_url, MODEL)
+                    made = after.get("nightdraft_generation_tokens_total", 0) - \
+                        before.get("nightdraft_generation_tokens_total", 0)
+                    runs.append({"path": "server", "config": name, "concurrency": level, "repeat": rep,
+                                 "tokens_per_s": made / wall, "client": args.server_client})
+                    _progress(runs[-1])
+    return runs
+
+
+def _progress(run: dict) -> None:
+    print(f"  {run['path']:<10} c={run['concurrency']:>3} {run['config']:<8} [{run['repeat'] + 1}] "
+          f"{run['tokens_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """One row per path and concurrency: each configuration's median throughput (and its range),
+    the best fixed configuration, and auto against it and against plain decoding on every core."""
+    rows = []
+    for path in dict.fromkeys(r["path"] for r in runs):
+        for level in dict.fromkeys(r["concurrency"] for r in runs if r["path"] == path):
+            mine = [r for r in runs if r["path"] == path and r["concurrency"] == level]
+            tok = {}
+            spread = {}
+            for name in dict.fromkeys(r["config"] for r in mine):
+                vals = [r["tokens_per_s"] for r in mine if r["config"] == name]
+                tok[name] = statistics.median(vals)
+                spread[name] = [min(vals), max(vals)]
+            fixed = [n for n in tok if n != ADAPTIVE]
+            row = {"path": path, "concurrency": level, "tokens_per_s": tok, "range": spread}
+            if fixed:
+                best = max(fixed, key=tok.get)
+                row["best_fixed"] = best
+            if ADAPTIVE in tok and fixed:
+                row["auto_over_best_fixed"] = tok[ADAPTIVE] / tok[best]
+                row["auto_over_best_fixed_by_repeat"] = _paired(mine, best)
+            if ADAPTIVE in tok and "ar-2dev" in tok:
+                row["auto_over_ar_all_cores"] = tok[ADAPTIVE] / tok["ar-2dev"]
+            rows.append(row)
+    return rows
+
+
+def _paired(runs: list[dict], best: str) -> list[float]:
+    """auto / best fixed within each repeat (the two ran minutes apart, not hours)."""
+    by = {(r["config"], r["repeat"]): r["tokens_per_s"] for r in runs}
+    return [by[(ADAPTIVE, k)] / by[(best, k)] for (c, k) in by if c == ADAPTIVE and (best, k) in by]
+
+
+def format_table(rows: list[dict]) -> str:
+    names = list(dict.fromkeys(n for r in rows for n in r["tokens_per_s"]))
+    head = (f"{'path':<10} {'conc':>4} " + " ".join(f"{n:>8}" for n in names)
+            + f" {'best fixed':>10} {'auto/best':>9} {'auto/ar2':>8}")
+    lines = ["tokens/s (median over repeats)", head, "-" * len(head)]
+    for r in rows:
+        cells = " ".join(f"{r['tokens_per_s'][n]:8.1f}" if n in r["tokens_per_s"] else f"{'-':>8}" for n in names)
+        ratio = lambda k: f"{r[k]:.2f}" if k in r else "-"
+        lines.append(f"{r['path']:<10} {r['concurrency']:>4} {cells} {r.get('best_fixed', '-'):>10} "
+                     f"{ratio('auto_over_best_fixed'):>9} {ratio('auto_over_ar_all_cores'):>8}")
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, axes = plt.subplots(1, len(paths), figsize=(5.5 * len(paths), 4), squeeze=False)
+    for ax, where in zip(axes[0], paths):
+        rs = [r for r in rows if r["path"] == where]
+        xs = [r["concurrency"] for r in rs]
+        for name in dict.fromkeys(n for r in rs for n in r["tokens_per_s"]):
+            ax.plot(xs, [r["tokens_per_s"].get(name) for r in rs], marker="o", label=name,
+                    lw=2.5 if name == ADAPTIVE else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{where}: auto beside the fixed modes")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

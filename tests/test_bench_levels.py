@@ -1,0 +1,67 @@
+"""`nightdraft bench levels`: its summary, and a short real run in process and through tritonserver."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from client.bench_levels import format_table, summarise
+
+
+def _run(path, config, level, rep, tok):
+    return {"path": path, "config": config, "concurrency": level, "repeat": rep, "tokens_per_s": tok}
+
+
+def test_the_best_fixed_configuration_includes_plain_decoding_on_every_core():
+    runs = [_run("server", "ar-1dev", 16, k, 100.0) for k in (0, 1)] + \
+           [_run("server", "ar-2dev", 16, k, t) for k, t in ((0, 190.0), (1, 210.0))] + \
+           [_run("server", "psd", 16, k, 150.0) for k in (0, 1)] + \
+           [_run("server", "auto", 16, k, t) for k, t in ((0, 171.0), (1, 189.0))]
+    (row,) = summarise(runs)
+    assert row["best_fixed"] == "ar-2dev"
+    assert row["tokens_per_s"]["ar-2dev"] == pytest.approx(200.0)        # the median of the repeats
+    assert row["range"]["ar-2dev"] == [190.0, 210.0]
+    assert row["auto_over_best_fixed"] == pytest.approx(180.0 / 200.0)
+    assert sorted(row["auto_over_best_fixed_by_repeat"]) == pytest.approx([0.9, 0.9])
+    assert row["auto_over_ar_all_cores"] == pytest.approx(0.9)
+
+
+def test_rows_are_kept_apart_by_path_and_concurrency():
+    runs = [_run(p, c, lvl, 0, t) for p in ("in-process", "server") for lvl in (1, 4)
+            for c, t in (("sd", 10.0 * lvl), ("auto", 12.0 * lvl if p == "server" else 8.0 * lvl))]
+    rows = summarise(runs)
+    assert [(r["path"], r["concurrency"]) for r in rows] == [("in-process", 1), ("in-process", 4),
+                                                              ("server", 1), ("server", 4)]
+    assert [round(r["auto_over_best_fixed"], 6) for r in rows] == [0.8, 0.8, 1.2, 1.2]
+    assert all("auto_over_ar_all_cores" not in r for r in rows)     # no ar-2dev ran
+    table = format_table(rows)
+    assert "auto/best" in table and "server" in table and "0.80" in table and "1.20" in table
+
+
+@pytest.mark.slow
+def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
+    from client.launcher import LauncherError, find_tritonserver
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    out = tmp_path / "levels.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.cli", "bench", "levels", "--configs", "ar-2dev,sd,auto",
+         "--concurrency", "2", "--repeats", "1", "--max-tokens", "6", "--requests-per-level", "4",
+         "--server-client", "python", "--json", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {(r["path"], r["config"]) for r in report["runs"]} == {
+        (p, c) for p in ("in-process", "server") for c in ("ar-2dev", "sd", "auto")}
+    assert all(r["tokens_per_s"] > 0 for r in report["runs"])
+    for row in report["rows"]:
+        tok = row["tokens_per_s"]
+        best = max(("ar-2dev", "sd"), key=tok.get)
+        assert row["best_fixed"] == best
+        assert row["auto_over_best_fixed"] == pytest.approx(tok["auto"] / tok[best])
+    assert "auto/best" in proc.stdout
+    assert out.with_suffix(".png").is_file()
