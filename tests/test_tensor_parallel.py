@@ -1,0 +1,252 @@
+"""Tensor parallelism of the target: two ranks (gloo, two processes on this CPU) against one.
+
+Tolerance: the ranks sum partial products in another order than one device does, so logits may
+differ in the last bits; float32 logits of TP 2 stay within LOGITS_ATOL of TP 1's (measured here:
+about 4e-6). Greedy output must be equal token for token, in every mode.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.errors import ConfigError
+from backend.model.config import ModelConfig
+from backend.model.loader import load_model
+from backend.model.parallel.shard import load_shard, shard_config
+from backend.sampling.params import SamplingParams
+from helpers.engines import assert_no_leaks, tiny_engine
+from model_factory import TINY_TARGET
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT_CUTS = (6, 12, 41, 300)      # the conftest's `prompts` and `ar_outputs`
+LOGITS_ATOL = 1e-4
+# Every in-flight request's final response after a rank is killed: the monitor's poll, the step
+# in flight, and failing each request (no collective waits on the dead rank).
+KILL_BOUND_S = 5.0
+
+
+def tp_engine(mode: str = "ar", **kw) -> Engine:
+    return tiny_engine(mode, tensor_parallel_size=2, compile="off", **kw)
+
+
+# ---- configuration and loading (no processes) -------------------------------------------------
+
+def test_tensor_parallel_sizes_that_do_not_split_the_model_or_the_devices_are_refused():
+    target = str(TINY_TARGET)
+    cfg = ModelConfig.from_pretrained(TINY_TARGET)      # 8 heads, 4 kv heads
+    with pytest.raises(ConfigError, match="does not divide the target's kv heads"):
+        EngineConfig(target=target, tensor_parallel_size=8)
+    with pytest.raises(ConfigError, match="does not divide the target's attention heads"):
+        EngineConfig(target=target, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size: must be an integer >= 1"):
+        EngineConfig(target=target, tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="tensor_parallel_devices: a list of tensor_parallel_size"):
+        EngineConfig(target=target, tensor_parallel_size=2, tensor_parallel_devices=["cpu"])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ConfigError, match="needs 2 GPUs"):
+            EngineConfig(target=target, device="cuda", tensor_parallel_size=2)
+    assert EngineConfig(target=target, tensor_parallel_size=2).tensor_parallel_size == 2
+    assert cfg.num_kv_heads % 2 == 0
+
+
+def test_model_json_tensor_parallel_size_becomes_the_engine_key(tmp_path):
+    from backend.engine.vllm_args import engine_keys_from_vllm
+    out = engine_keys_from_vllm({"model": str(TINY_TARGET), "tensor_parallel_size": 2},
+                                base_dir=tmp_path, device="cpu")
+    assert out.engine["tensor_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="draft_tensor_parallel_size"):
+        engine_keys_from_vllm({"model": str(TINY_TARGET), "speculative_config": {
+            "model": str(TINY_TARGET), "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}},
+            base_dir=tmp_path, device="cpu")
+
+
+def test_each_rank_loads_its_slice_and_the_slices_make_the_whole_model():
+    whole = load_model(TINY_TARGET)
+    full = whole.config
+    parts = [load_shard(TINY_TARGET, r, 2) for r in range(2)]
+    assert parts[0].config == shard_config(full, 2)
+    h, kvh, d = full.num_heads // 2, full.num_kv_heads // 2, full.head_dim
+    for i in (0, full.num_layers - 1):
+        qkv = [p.layers[i].self_attn.qkv_proj.weight for p in parts]
+        assert qkv[0].shape == ((h + 2 * kvh) * d, full.hidden_size)
+        w = whole.layers[i].self_attn.qkv_proj.weight
+        q, k, v = w.split([2 * h * d, 2 * kvh * d, 2 * kvh * d])
+        assert torch.equal(torch.cat([x[:h * d] for x in qkv]), q)
+        assert torch.equal(torch.cat([x[h * d:(h + kvh) * d] for x in qkv]), k)
+        assert torch.equal(torch.cat([x[(h + kvh) * d:] for x in qkv]), v)
+        assert torch.equal(torch.cat([p.layers[i].self_attn.o_proj.weight for p in parts], 1),
+                           whole.layers[i].self_attn.o_proj.weight)
+        gate_up = [p.layers[i].mlp.gate_up_proj.weight.chunk(2) for p in parts]
+        g, u = whole.layers[i].mlp.gate_up_proj.weight.chunk(2)
+        assert torch.equal(torch.cat([x[0] for x in gate_up]), g)
+        assert torch.equal(torch.cat([x[1] for x in gate_up]), u)
+        assert torch.equal(torch.cat([p.layers[i].mlp.down_proj.weight for p in parts], 1),
+                           whole.layers[i].mlp.down_proj.weight)
+    assert torch.equal(parts[1].embed_tokens.weight, whole.embed_tokens.weight)   # replicated
+
+
+# ---- two ranks against one ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp2():
+    engine = tp_engine("sd")
+    yield engine
+    engine.close()
+
+
+@pytest.mark.slow
+def test_tp2_logits_equal_tp1_within_tolerance(tp2, prompts):
+    one = tiny_engine("ar", drafter=None, compile="off")
+    try:
+        ids = [one.tokenizer.encode(p) for p in prompts[:4]]
+        got = []
+        for engine in (one, tp2):
+            seqs = [f"logits-{i}" for i in range(len(ids))]
+            for s, t in zip(seqs, ids):
+                assert engine.kv.ensure_capacity(s, len(t))
+            flat = [t for x in ids for t in x]
+            logits = engine.runner.forward(seqs, [0] * len(ids), [len(x) for x in ids], flat,
+                                           list(range(len(flat))))
+            got.append(logits.clone())
+            for s in seqs:
+                engine.kv.free(s)
+    finally:
+        one.close()
+    assert got[0].shape == got[1].shape == (sum(map(len, ids)), tp2.target.config.vocab_size)
+    assert (got[0] - got[1]).abs().max().item() < LOGITS_ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "sd", "psd", "auto"])
+def test_tp2_greedy_output_equals_plain_decoding_in_every_mode(mode, tp2, prompts, ar_outputs):
+    if mode == "sd":
+        engine = tp2
+    else:
+        engine = tp_engine(mode, drafter=None) if mode == "ar" else tp_engine(mode)
+    try:
+        got = [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=4)]
+        assert_no_leaks(engine)
+        if mode == "sd":
+            assert engine.stats().accepted_tokens > 0
+    finally:
+        if engine is not tp2:
+            engine.close()
+    assert got == ar_outputs
+
+
+@pytest.mark.slow
+def test_a_kv_pool_resize_that_moves_blocks_is_mirrored_on_every_rank(tp2, prompts, ar_outputs):
+    """Requests whose blocks sit high in the pool keep decoding the same tokens after the pool
+    shrinks under them (their blocks moved down on the driver and on the rank alike), and after
+    it grows again."""
+    engine, kv = tp2, tp2.kv
+    base = kv.num_blocks
+    assert kv.ensure_capacity("low", 40 * kv.block_size)       # the lowest blocks, freed below
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(str(i), p, GREEDY)
+    out = {str(i): [] for i in range(3)}
+    for _ in range(4):
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    kv.free("low")
+    highest = max(b for s in kv.seq_ids() for b in kv.block_table(s))
+    assert highest >= 40
+    kv.resize(kv.num_used_blocks + 8)                          # below `highest`: blocks move
+    assert max(b for s in kv.seq_ids() for b in kv.block_table(s)) < kv.num_blocks < highest
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    kv.resize(base)
+    assert [out[str(i)] for i in range(3)] == ar_outputs[:3]
+    assert [c.output_ids for c in engine.generate(prompts[:2], GREEDY)] == ar_outputs[:2]
+
+
+# ---- faults --------------------------------------------------------------------------------------
+
+def _serve_until_killed(engine: Engine, prompts, kill) -> dict:
+    """Requests streamed through an EngineLoop; `kill()` once every request has tokens. Returns
+    per request its final output and when it came (after the kill)."""
+    from backend.engine.loop import EngineLoop
+    loop = EngineLoop(engine)
+    finals, first, done = {}, threading.Event(), threading.Event()
+    started: set = set()
+    killed_at: list[float] = []
+
+    def on_output(o):
+        if o.new_token_ids:
+            started.add(o.request_id)
+            if len(started) == len(prompts):
+                first.set()
+        if o.finished:
+            finals[o.request_id] = (o, time.monotonic())
+            if len(finals) == len(prompts):
+                done.set()
+
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    try:
+        for i, p in enumerate(prompts):
+            loop.submit(str(i), p, params, on_output)
+        assert first.wait(60), "requests did not start"
+        killed_at.append(time.monotonic())
+        kill()
+        assert done.wait(60), f"only {len(finals)} of {len(prompts)} requests got a final response"
+    finally:
+        loop.shutdown(timeout_s=10)
+    return {rid: (o, t - killed_at[0]) for rid, (o, t) in finals.items()}
+
+
+def _wait_recovered(engine: Engine, timeout_s: float = 60.0) -> float:
+    t0 = time.monotonic()
+    while engine.runner.down_reason is not None:
+        assert time.monotonic() - t0 < timeout_s, "the tensor-parallel group did not come back"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_rank_that_dies_or_hangs_fails_the_requests_in_flight_then_the_group_comes_back(
+        how, prompts, ar_outputs):
+    """SIGKILL (a crash) or SIGSTOP (a hang: only the collective timeout sees it) a rank while
+    requests stream: each request gets its final response, an error naming the group, within the
+    bound; the engine reports itself unhealthy; the group restarts and serves the same tokens."""
+    from backend.serving.engine_health import EngineHealth
+    timeout_s = 3.0
+    engine = tp_engine("ar", drafter=None, tensor_parallel_timeout_s=timeout_s)
+    try:
+        rank = engine.runner.group.pids[0]
+        health = EngineHealth(loop=type("L", (), {"healthy": True, "num_inflight": 0})(), engine=engine)
+        reasons = []
+
+        def kill():
+            os.kill(rank, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            deadline = time.monotonic() + timeout_s + KILL_BOUND_S
+            while time.monotonic() < deadline and not reasons:
+                if (why := health.check()) is not None:
+                    reasons.append(why)
+                time.sleep(0.02)
+
+        finals = _serve_until_killed(engine, prompts[:4], kill)
+        bound = KILL_BOUND_S + (timeout_s if how == "stopped" else 0.0)
+        for rid, (o, after) in finals.items():
+            assert o.finish_reason == "error" and "tensor-parallel group" in o.error, (rid, o)
+            assert after < bound, f"request {rid} got its final response {after:.1f} s after the fault"
+        assert reasons and "tensor-parallel rank failed" in reasons[0]
+        _wait_recovered(engine)
+        assert health.check() is None
+        assert engine.runner.group.restarts == 1 and engine.runner.group.pids[0] != rank
+        assert [c.output_ids for c in engine.generate(prompts, GREEDY)] == ar_outputs
+        assert_no_leaks(engine)
+    finally:
+        engine.close()
+        try:
+            os.kill(rank, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
