@@ -11,7 +11,8 @@ Two process groups over one TCP store (the driver hosts it): ``compute`` (NCCL b
 GPUs; gloo on the CPU, or for ranks that share a GPU, which NCCL refuses) carries the all-reduces
 and has the collective timeout: a rank that hangs makes the driver's forward fail after
 `timeout_s`; a rank that dies makes it fail at once (gloo sees the closed connection). ``control``
-(gloo) carries the step messages; ranks wait on it while the engine idles, so its timeout is long.
+(gloo) carries the step messages; ranks wait on it while the engine idles, so their timeout there
+is long (the driver's is `timeout_s` in both: a stopped rank never takes a broadcast).
 Groups are built from the process-group classes themselves, not torch.distributed's process-wide
 default group, so that several engines (tests, calibration) can live in one process.
 """
@@ -33,6 +34,7 @@ log = logging.getLogger("nightdraft.tensor_parallel")
 
 MESSAGE_BYTES = 64 << 10          # the step message's broadcast buffer (a step's ids and layout)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 class GroupFailed(RuntimeError):
@@ -57,17 +59,23 @@ class RankSpec:
 
 
 def connect(rank: int, size: int, port: int, backend: str, timeout_s: float, store=None):
-    """(store, compute group, control group) of `rank`."""
+    """(store, compute group, control group) of `rank`. Timeouts are each process's own: the
+    driver waits for the ranks at most `timeout_s` in either group (a stopped rank never takes
+    a broadcast), the ranks wait for the driver's next step as long as the engine idles."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=CONNECT_TIMEOUT)
+    # Connecting waits for every rank to start (imports, seconds): under the connect timeout;
+    # the collectives then run under the group's own.
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute/", store), rank, size, opts)
     else:
-        compute = dist.ProcessGroupGloo(dist.PrefixStore("compute/", store), rank, size, timeout)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, IDLE_TIMEOUT)
+        compute = dist.ProcessGroupGloo(dist.PrefixStore("compute/", store), rank, size, CONNECT_TIMEOUT)
+        compute.set_timeout(timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, CONNECT_TIMEOUT)
+    control.set_timeout(timeout if rank == 0 else IDLE_TIMEOUT)
     return store, compute, control
 
 
@@ -210,7 +218,7 @@ class RankGroup:
         self.size = size
         self.timeout_s = specs[0].timeout_s
         ctx = mp.get_context("spawn")
-        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=120),
+        self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=CONNECT_TIMEOUT,
                                     wait_for_workers=False)
         port = self._store.port
         self.procs = []
