@@ -239,6 +239,8 @@ def test_a_rank_that_dies_or_hangs_fails_the_requests_in_flight_then_the_group_c
             assert o.finish_reason == "error" and "tensor-parallel group" in o.error, (rid, o)
             assert after < bound, f"request {rid} got its final response {after:.1f} s after the fault"
         assert reasons and "tensor-parallel rank failed" in reasons[0]
+        if how == "killed":
+            assert "rank 1 died (exit code -9)" in reasons[0]
         _wait_recovered(engine)
         assert health.check() is None
         assert engine.runner.group.restarts == 1 and engine.runner.group.pids[0] != rank
@@ -250,3 +252,78 @@ def test_a_rank_that_dies_or_hangs_fails_the_requests_in_flight_then_the_group_c
             os.kill(rank, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# ---- through the real server ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_tp2_through_tritonserver_serves_plain_decodings_text_and_comes_back_after_a_rank_is_killed(
+        tmp_path, prompts, ar_outputs):
+    """engine.json with tensor_parallel_size 2 (sd, the drafter in the driver's process) behind a
+    real tritonserver: concurrent streams get plain greedy decoding's text. Then the rank process
+    is SIGKILLed while streams run: each stream ends with an error within the bound, the model
+    reports its engine unhealthy (nightdraft_engine_healthy 0), the group restarts (healthy 1),
+    and the same text is served again."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from backend.model.tokenizer import Tokenizer
+    from client.triton_client import ClientError, GrpcClient
+    from conftest import nightdraft_only_server, test_engine_config
+    from helpers.triton import metrics, wait_kv_free
+
+    config = test_engine_config() | {"tensor_parallel_size": 2, "mode": "sd", "compile": "off",
+                                     "tensor_parallel_timeout_s": 5.0}
+    tokenizer = Tokenizer.from_pretrained(TINY_TARGET)
+    expected = [tokenizer.decode(ids) for ids in ar_outputs]
+    kw = dict(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
+    # ENABLE_VLLM_HEALTH_CHECK off: on, the model would unload itself while the group is down
+    # (as for any unhealthy engine), and only a reload would bring it back.
+    with nightdraft_only_server(tmp_path, config, parameters={"ENABLE_VLLM_HEALTH_CHECK": "false"}) as server:
+        client = GrpcClient(server.grpc_url, "nightdraft", timeout_s=120)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: client.generate(p, **kw).text, prompts)) == expected
+        log = (tmp_path / "tritonserver.log").read_text()
+        rank = int(re.search(r"tensor-parallel group of 2 .*ranks \[(\d+)\]", log).group(1))
+
+        started = threading.Barrier(len(prompts) + 1)
+        ended: dict[int, tuple[str, float]] = {}
+
+        def stream(i: int) -> None:
+            first = True
+            try:
+                for _ in client.stream(prompts[i], max_tokens=1000, temperature=0.0, ignore_eos=True):
+                    if first:
+                        first = False
+                        started.wait(60)
+                ended[i] = ("finished", time.monotonic())
+            except ClientError as e:
+                ended[i] = (str(e), time.monotonic())
+                if first:
+                    started.abort()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        killed_at = time.monotonic()
+        os.kill(rank, signal.SIGKILL)
+        saw_unhealthy = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            healthy = metrics(server).get("nightdraft_engine_healthy")
+            saw_unhealthy |= healthy == 0
+            if saw_unhealthy and healthy == 1:
+                break
+            time.sleep(0.1)
+        for t in threads:
+            t.join(60)
+        assert len(ended) == len(prompts)
+        for i, (why, at) in ended.items():
+            assert "tensor-parallel group" in why, (i, why)
+            assert at - killed_at < KILL_BOUND_S, f"stream {i} ended {at - killed_at:.1f} s after the kill"
+        assert saw_unhealthy, "nightdraft_engine_healthy never said the engine was down"
+        assert metrics(server).get("nightdraft_engine_healthy") == 1, "the group did not come back"
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(lambda p: client.generate(p, **kw).text, prompts)) == expected
+        wait_kv_free(server)

@@ -37,6 +37,11 @@ MONITOR_S = 0.2              # how often the driver looks for dead ranks
 RESTART_PAUSE_S = (1.0, 30.0)  # the pause before a restart after a failed one: first, at most
 
 
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
 class ShardedKVCache(PagedKVCache):
     """The driver's pool of its kv heads. Its allocator and block tables are the group's: ranks
     keep only storage of the same block count. A resize is mirrored on every rank, all or
@@ -102,8 +107,7 @@ class TargetGroup:
                 group.send(("forward", pool_key, kv.num_blocks, ids.cpu(), on_device(meta, "cpu")))
                 return self.model(ids, meta, kv.kv, idx)
             except Exception as e:    # noqa: BLE001 - the ranks may be anywhere in the step now
-                dead = group.dead_ranks()
-                why = (f"rank(s) {dead} died" if dead else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                why = group.death_report(wait_s=0.5) or _first_line(e)
                 self.fail(why)
                 raise GroupFailed(f"the tensor-parallel group failed during a forward: {why}") from e
 
@@ -167,9 +171,9 @@ class TargetGroup:
     def _watch(self) -> None:
         while not self._closed.wait(MONITOR_S):
             if self.failure is None:
-                dead = self.group.dead_ranks()
-                if dead:
-                    self.fail(f"rank(s) {dead} died")
+                why = self.group.death_report()
+                if why:
+                    self.fail(why)
 
     def forget_finished(self) -> None:
         """Drop lost sequences that have left the pool (failed and freed)."""
