@@ -92,6 +92,32 @@ def test_each_rank_loads_its_slice_and_the_slices_make_the_whole_model():
     assert torch.equal(parts[1].embed_tokens.weight, whole.embed_tokens.weight)   # replicated
 
 
+def test_the_kubernetes_tensor_parallel_layout_gives_the_pod_every_gpu_its_engine_uses(tmp_path):
+    """docker/k8s-tensor-parallel: the base manifests, 3 GPUs a pod, target ranks on cuda:0 and
+    cuda:1, the drafter on cuda:2; its engine.json loads."""
+    import json
+
+    import yaml
+
+    from conftest import REPO
+    overlay = REPO / "docker" / "k8s-tensor-parallel"
+    kz = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kz["resources"] == ["../k8s"]
+    assert all((overlay / p["path"]).is_file() for p in kz["patches"])
+    (container,) = yaml.safe_load((overlay / "gpus.yaml").read_text())["spec"]["template"]["spec"]["containers"]
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus == 3
+    engine = json.loads(yaml.safe_load((overlay / "engine.yaml").read_text())["data"]["engine.json"])
+    used = engine["tensor_parallel_devices"] + [engine["drafter_device"]]
+    assert sorted(int(d.split(":")[1]) for d in used) == list(range(gpus))
+    for key in ("target", "drafter"):          # paths inside the pod: stand-ins here
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "config.json").write_text((TINY_TARGET / "config.json").read_text())
+        engine[key] = str(tmp_path / key)
+    cfg = EngineConfig.from_dict(engine)
+    assert cfg.tensor_parallel_size == 2 and cfg.mode == "psd"
+
+
 # ---- two ranks against one ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

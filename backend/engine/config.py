@@ -214,7 +214,12 @@ class EngineConfig:
             return
         from backend.model.config import ModelConfig
         from backend.model.parallel.shard import check_divisible
-        check_divisible(ModelConfig.from_pretrained(self.target), tp)    # ConfigError if not
+        try:
+            model = ModelConfig.from_pretrained(self.target)
+        except (KeyError, ValueError, OSError):
+            model = None            # not a model config the loader reads: the load says why
+        if model is not None:
+            check_divisible(model, tp)    # ConfigError if not
         if on_cuda and devices is None:
             import torch
             count = torch.cuda.device_count()
