@@ -194,6 +194,42 @@ def test_a_kv_pool_resize_that_moves_blocks_is_mirrored_on_every_rank(tp2, promp
     assert [c.output_ids for c in engine.generate(prompts[:2], GREEDY)] == ar_outputs[:2]
 
 
+@pytest.mark.slow
+def test_elastic_memory_grows_and_shrinks_the_pool_on_every_rank(prompts, ar_outputs):
+    """An offload of the in-process drafter lends its bytes to the pool (every rank takes the new
+    block count), a reload takes them back, with requests running across both; outputs stay
+    plain decoding's."""
+    engine = tp_engine("sd", kv_cache_bytes=64 * 2 * 8 * 2 * 32 * 16 * 4)   # 64 blocks a rank
+    try:
+        memory = engine.memory
+        base = engine.kv.num_blocks
+        for i, p in enumerate(prompts[:3]):
+            engine.add_request(str(i), p, GREEDY)
+        out = {str(i): [] for i in range(3)}
+
+        def steps(n):
+            for _ in range(n):
+                for o in engine.step():
+                    out[o.request_id] += o.new_token_ids
+
+        steps(3)
+        engine.set_gamma(0)
+        memory.offload()
+        assert memory.offloads == 1 and engine.kv.num_blocks > base
+        steps(4)
+        memory.start_reload()
+        assert engine.kv.num_blocks == base
+        while memory.poll() is None:
+            time.sleep(0.01)
+        engine.set_gamma(4)
+        while engine.has_unfinished():
+            steps(1)
+        assert [out[str(i)] for i in range(3)] == ar_outputs[:3]
+        assert_no_leaks(engine)
+    finally:
+        engine.close()
+
+
 # ---- faults --------------------------------------------------------------------------------------
 
 def _serve_until_killed(engine: Engine, prompts, kill) -> dict:
