@@ -389,3 +389,30 @@ def test_tp2_through_tritonserver_serves_plain_decodings_text_and_comes_back_aft
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(lambda p: client.generate(p, **kw).text, prompts)) == expected
         wait_kv_free(server)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ar", "psd", "auto"])
+def test_tp2_through_tritonserver_serves_plain_decodings_text_in_every_mode(mode, tmp_path, prompts, ar_outputs):
+    """The other modes (sd is above) through a real tritonserver: psd and auto with the drafter a
+    worker on its own core, beside the target's group."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from backend.model.tokenizer import Tokenizer
+    from client.triton_client import GrpcClient
+    from conftest import nightdraft_only_server, test_engine_config
+    from helpers.triton import wait_kv_free
+
+    config = test_engine_config() | {"tensor_parallel_size": 2, "mode": mode, "compile": "off"}
+    if mode == "ar":
+        config["drafter"] = None
+    else:
+        config["drafter_device"] = "cpu"
+    tokenizer = Tokenizer.from_pretrained(TINY_TARGET)
+    kw = dict(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
+    with nightdraft_only_server(tmp_path, config) as server:
+        client = GrpcClient(server.grpc_url, "nightdraft", timeout_s=120)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: client.generate(p, **kw).text, prompts))
+        wait_kv_free(server)
+    assert got == [tokenizer.decode(ids) for ids in ar_outputs]
