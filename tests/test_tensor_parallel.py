@@ -50,7 +50,7 @@ def test_tensor_parallel_sizes_that_do_not_split_the_model_or_the_devices_are_re
     with pytest.raises(ConfigError, match="tensor_parallel_devices: a list of tensor_parallel_size"):
         EngineConfig(target=target, tensor_parallel_size=2, tensor_parallel_devices=["cpu"])
     if torch.cuda.device_count() < 2:
-        with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        with pytest.raises(ConfigError, match="needs cuda:0..cuda:1"):
             EngineConfig(target=target, device="cuda", tensor_parallel_size=2)
     assert EngineConfig(target=target, tensor_parallel_size=2).tensor_parallel_size == 2
     assert cfg.num_kv_heads % 2 == 0
@@ -65,6 +65,16 @@ def test_model_json_tensor_parallel_size_becomes_the_engine_key(tmp_path):
         engine_keys_from_vllm({"model": str(TINY_TARGET), "speculative_config": {
             "model": str(TINY_TARGET), "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}},
             base_dir=tmp_path, device="cpu")
+
+
+def test_a_model_folder_with_model_json_asks_for_a_tensor_parallel_target(tmp_path):
+    """What the Triton model does with its folder: model.json's tensor_parallel_size reaches the
+    engine configuration (a KIND_CPU instance: the ranks on this host's cores)."""
+    from backend.serving.config import load_engine_config
+    from helpers.model_args import model_args, write
+    d = write(tmp_path / "m", model={"model": str(TINY_TARGET), "tensor_parallel_size": 2})
+    config = load_engine_config(model_args(d, "CPU"), str(d / "1" / "engine.json"), cuda_count=0).config
+    assert config.tensor_parallel_size == 2 and config.device == "cpu"
 
 
 def test_each_rank_loads_its_slice_and_the_slices_make_the_whole_model():

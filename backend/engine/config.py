@@ -38,7 +38,8 @@ class EngineConfig:
     # Tensor parallelism of the target: its layers split over this many ranks (the engine's
     # process drives rank 0; the others are processes of their own). CPU: every rank on this
     # host's cores (an equal share each where there are enough). CUDA: rank i on
-    # tensor_parallel_devices[i] (default cuda:0..N-1; a list may name one GPU twice). A rank
+    # tensor_parallel_devices[i] (default: `device` and the N-1 GPUs after it; a list may name
+    # one GPU twice). A rank
     # whose collective does not complete within tensor_parallel_timeout_s fails the group, which
     # restarts. kv_cache_bytes is each rank's pool (of its own heads).
     tensor_parallel_size: int = 1
@@ -221,10 +222,8 @@ class EngineConfig:
         if model is not None:
             check_divisible(model, tp)    # ConfigError if not
         if on_cuda and devices is None:
-            import torch
-            count = torch.cuda.device_count()
-            need(count >= tp, f"tensor_parallel_size {tp} needs {tp} GPUs, {count} visible; list "
-                 "tensor_parallel_devices to place ranks (e.g. two on one GPU)")
+            from backend.model.parallel.build import rank_devices
+            rank_devices(self.device, tp, None)     # ConfigError when the GPUs are not there
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> "EngineConfig":

@@ -111,7 +111,7 @@ ARGS: dict[str, Arg] = {
                             "or a folder is refused when that generation_config.json sets sampling defaults, "
                             "which nightdraft does not apply"),
     "tensor_parallel_size": _m("`tensor_parallel_size`: the target's layers split over that many ranks "
-                               "(GPUs cuda:0..N-1 of the instance; the KV pool sized per rank)"),
+                               "(the instance's GPU and the N-1 after it; the KV pool sized per rank)"),
     "pipeline_parallel_size": _r("pipeline parallelism is not implemented", _neutral(1)),
     "data_parallel_size": _r("data parallelism inside one engine is not implemented; run more instances "
                              "(instance_group count) or replicas", _neutral(1)),

@@ -18,17 +18,23 @@ log = logging.getLogger("nightdraft.tensor_parallel")
 
 def rank_devices(device: str, size: int, devices: list[str] | None) -> list[str]:
     """Each rank's torch device (the driver's first). CPU: every rank "cpu". CUDA: `devices` as
-    given (a list may name one GPU twice: ranks then share it), else cuda:0..size-1, which must
-    exist."""
+    given (a list may name one GPU twice: ranks then share it), else the engine's GPU and the
+    size-1 after it (cuda:0..size-1 for "cuda"), which must exist."""
     if not str(device).startswith("cuda"):
         return ["cpu"] * size
     if devices is not None:
         return list(devices)
+    first = default_first_gpu(device)
     count = torch.cuda.device_count()
-    if count < size:
-        raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, {count} visible; list "
-                          "tensor_parallel_devices to place ranks (e.g. two on one GPU)")
-    return [f"cuda:{i}" for i in range(size)]
+    if count < first + size:
+        raise ConfigError(f"tensor_parallel_size {size} on {device} needs cuda:{first}..cuda:{first + size - 1}, "
+                          f"{count} GPU(s) visible; list tensor_parallel_devices to place ranks "
+                          "(e.g. two on one GPU)")
+    return [f"cuda:{first + i}" for i in range(size)]
+
+
+def default_first_gpu(device: str) -> int:
+    return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
 def _cpu_shares(size: int, threads: int | None) -> tuple[list[list[int] | None], int]:
