@@ -12,7 +12,7 @@ group: the forward in flight raises :class:`GroupFailed`, and so does, at once, 
 forward of a sequence whose K/V the ranks held (it is gone with them), so the engine fails
 exactly the in-flight requests, each with that error. A background thread kills what is left of
 the old group and starts a new one (retrying with a growing pause); forwards of new sequences
-wait for it (up to the start timeout). While the group is down, :attr:`TensorParallelRunner.
+wait for it (up to ``RESTART_WAIT_S``). While the group is down, :attr:`TensorParallelRunner.
 down_reason` says why, which the serving layer reports as an unhealthy engine.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ log = logging.getLogger("nightdraft.tensor_parallel")
 
 MONITOR_S = 0.2              # how often the driver looks for dead ranks
 RESTART_PAUSE_S = (1.0, 30.0)  # the pause before a restart after a failed one: first, at most
+RESTART_WAIT_S = 60.0        # how long a forward of a new sequence waits for a restarting group
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
@@ -75,6 +76,7 @@ class TargetGroup:
         self.failures = 0
         self.restarts = 0
         self._lost: set = set()              # sequences whose K/V went with a failed group
+        self._lost_reason = ""
         self._ready = threading.Event()
         self._ready.set()
         self._lock = threading.Lock()        # failure state
@@ -99,7 +101,7 @@ class TargetGroup:
             if lost:
                 raise GroupFailed("the tensor-parallel group failed and lost this request's KV cache "
                                   f"({self._lost_reason})")
-        if not self._ready.wait(self.start_timeout_s):
+        if not self._ready.wait(RESTART_WAIT_S):
             raise GroupFailed(f"the tensor-parallel group is down: {self.failure}")
         with self._step:
             group = self.group
