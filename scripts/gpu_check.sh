@@ -9,6 +9,12 @@
 #   scripts/gpu_check.sh [--dry-run] [--out DIR] [--target DIR] [--drafter DIR] [--gpus N]
 #                        [--concurrency "1 16"] [--num-prompts N] [--max-tokens N]
 #                        [--dtype bfloat16|float16|float32] [--budget-s S] [--skip-tests] [--skip-bench]
+#                        [--skip-tp]
+#
+# Then a tensor-parallel check (scripts/tp_throughput.py): the target at TP 2 against TP 1, greedy
+# outputs equal (float32) and throughput at concurrency 1 and 16; the two ranks share cuda:0 on a
+# one-GPU host (all-reduces over gloo: a correctness check, not a speed-up), else cuda:0 and cuda:1
+# (NCCL). Skip it with --skip-tp.
 #
 # With --dry-run, or when no NVIDIA GPU is found, it validates its inputs (checkpoints, the CLI's
 # options, numbers) and prints the commands it would run, then exits 0 (2 on invalid input).
@@ -31,6 +37,7 @@ dtype="bfloat16"
 budget_s=540
 skip_tests=0
 skip_bench=0
+skip_tp=0
 
 die() { echo "gpu_check: error: $*" >&2; exit 2; }
 note() { echo "gpu_check: $*" >&2; }
@@ -50,6 +57,7 @@ while [[ $# -gt 0 ]]; do
         --budget-s) budget_s="${2:?}"; shift ;;
         --skip-tests) skip_tests=1 ;;
         --skip-bench) skip_bench=1 ;;
+        --skip-tp) skip_tp=1 ;;
         -h|--help) usage; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
@@ -171,6 +179,14 @@ bench_cmd() {  # conc name mode drafter_device -> the command in BENCH
 
 show() { printf '+'; printf ' %q' "$@"; printf '\n'; }
 
+tp_cmd() {  # the tensor-parallel check in TP
+    local devices="cuda:0,cuda:0"
+    (( gpus >= 2 )) && devices="cuda:0,cuda:1"
+    TP=("$PYTHON" scripts/tp_throughput.py --device cuda --dtype float32 --target "$target"
+        --tensor-parallel-size 2 --tensor-parallel-devices "$devices" --concurrency "1 16"
+        --num-prompts 16 --max-tokens 32 --reps 1 --out "$out/tp.json")
+}
+
 echo "gpu_check: python $PYTHON; cli ${cli[*]}"
 echo "gpu_check: modes offered: $mode_choices; drafter placement option: $( ((has_drafter_device)) && echo yes || echo no)"
 echo "gpu_check: GPUs: $gpus$( ((gpu_found)) || echo " (assumed; $gpu_why)"); budget ${budget_s}s; output $out"
@@ -189,6 +205,10 @@ if (( dry_run )); then
             done
         done
         echo "  (each benchmark's timeout: what is left of the budget, at most 150 s; then summary.json and a table)"
+    fi
+    if (( ! skip_tp )); then
+        tp_cmd
+        show timeout --kill-after=10 150 "${TP[@]}"
     fi
     echo "gpu_check: dry run OK (${#runs[@]} configurations x ${#concs[@]} concurrencies)"
     exit 0
@@ -254,6 +274,23 @@ for r in rows:
           f"{r.get('mean_tokens_per_target_call', 0):>9.2f}{1000 * r.get('mean_step_s', 0):>9.2f}")
 print(f"wrote {out / 'summary.json'}")
 PY
+fi
+
+if (( ! skip_tp )); then
+    left=$(( budget_end - SECONDS ))
+    if (( left < 30 )); then
+        note "budget spent: skipping the tensor-parallel check"
+        failures+=("tp2 (skipped: budget)")
+    else
+        (( left > 150 )) && left=150
+        tp_cmd
+        echo "gpu_check: tensor-parallel check (TP 2 against TP 1)"
+        show timeout --kill-after=10 "$left" "${TP[@]}"
+        timeout --kill-after=10 "$left" "${TP[@]}" >"$out/tp.log" 2>&1
+        rc=$?
+        grep -E "^(concurrency|wrote)" "$out/tp.log"
+        (( rc == 0 )) || failures+=("tp2 (exit $rc, see tp.log)")
+    fi
 fi
 
 if (( ${#failures[@]} )); then

@@ -95,10 +95,10 @@ def test_arguments_whose_absence_would_change_results_are_refused_with_the_reaso
     base = {"model": str(TINY_TARGET)}
     assert mapped(base | {"tensor_parallel_size": 1, "quantization": None, "enable_lora": False}, tmp_path).engine
     with pytest.raises(ConfigError) as e:
-        mapped(base | {"tensor_parallel_size": 2, "quantization": "awq", "enable_lora": True,
+        mapped(base | {"pipeline_parallel_size": 2, "quantization": "awq", "enable_lora": True,
                        "rope_theta": 1e6, "kv_cache_dtype": "fp8"}, tmp_path)
     text = str(e.value)
-    for line in ("tensor_parallel_size=2: tensor parallelism is not implemented yet",
+    for line in ("pipeline_parallel_size=2: pipeline parallelism is not implemented",
                  'quantization="awq"', "enable_lora=true: LoRA adapters are not supported",
                  "rope_theta=1000000.0", 'kv_cache_dtype="fp8"'):
         assert line in text, text

@@ -35,6 +35,16 @@ class EngineConfig:
     # How a worker's draft probabilities travel: "shared_buffer" (CPU default) or "tensor"
     # (CUDA default: CUDA IPC; on CPU, shared-memory file descriptors).
     drafter_probs_transport: str | None = None
+    # Tensor parallelism of the target: its layers split over this many ranks (the engine's
+    # process drives rank 0; the others are processes of their own). CPU: every rank on this
+    # host's cores (an equal share each where there are enough). CUDA: rank i on
+    # tensor_parallel_devices[i] (default: `device` and the N-1 GPUs after it; a list may name
+    # one GPU twice). A rank
+    # whose collective does not complete within tensor_parallel_timeout_s fails the group, which
+    # restarts. kv_cache_bytes is each rank's pool (of its own heads).
+    tensor_parallel_size: int = 1
+    tensor_parallel_devices: list[str] | None = None
+    tensor_parallel_timeout_s: float = 10.0
     dtype: str = "auto"                         # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_bytes: int = 64 << 20
     drafter_kv_cache_bytes: int | None = None   # default: sized to hold as many tokens as the target's
@@ -185,6 +195,35 @@ class EngineConfig:
              f"gamma: must be in [0, gamma_max={self.gamma_max}], got {self.gamma!r}")
         need(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
              "num_threads: must be >= 1")
+        self._validate_tensor_parallel(need)
+
+    def _validate_tensor_parallel(self, need) -> None:
+        tp = self.tensor_parallel_size
+        need(_is_int(tp) and tp >= 1, "tensor_parallel_size: must be an integer >= 1")
+        need(isinstance(self.tensor_parallel_timeout_s, (int, float)) and self.tensor_parallel_timeout_s > 0,
+             "tensor_parallel_timeout_s: must be > 0")
+        devices = self.tensor_parallel_devices
+        on_cuda = str(self.device).startswith("cuda")
+        if devices is not None:
+            need(isinstance(devices, list) and len(devices) == tp and all(
+                isinstance(d, str) and (d == "cpu" if not on_cuda else d.startswith("cuda:")) for d in devices),
+                f"tensor_parallel_devices: a list of tensor_parallel_size ({tp}) devices, "
+                f"{'cuda:N' if on_cuda else 'cpu'} each, got {devices!r}")
+            need(not on_cuda or devices[0] == (self.device if ":" in self.device else "cuda:0"),
+                 f"tensor_parallel_devices: the first is the driver's, which runs on device {self.device!r}")
+        if tp == 1:
+            return
+        from backend.model.config import ModelConfig
+        from backend.model.parallel.shard import check_divisible
+        try:
+            model = ModelConfig.from_pretrained(self.target)
+        except (KeyError, ValueError, OSError):
+            model = None            # not a model config the loader reads: the load says why
+        if model is not None:
+            check_divisible(model, tp)    # ConfigError if not
+        if on_cuda and devices is None:
+            from backend.model.parallel.build import rank_devices
+            rank_devices(self.device, tp, None)     # ConfigError when the GPUs are not there
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> "EngineConfig":

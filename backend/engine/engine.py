@@ -36,9 +36,7 @@ from backend.engine.outputs import EngineStats, RequestOutput, StepStats
 from backend.engine.prompt_limit import default_max_prompt_bytes
 from backend.engine.verify import decide, score_prompts
 from backend.model.kv_cache import PagedKVCache
-from backend.model.linear import pack_linears
-from backend.model.loader import load_model
-from backend.model.runner import ModelRunner, capture_for
+from backend.model.parallel import build_target_runner
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
 from backend.speculation.manager import DrafterManager
@@ -66,16 +64,11 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
 
-        self.target = load_model(config.target, device=config.device, dtype=self.dtype,
-                                 attention=config.attention)
-        if config.linear_kernels == "auto":
-            pack_linears(self.target)
+        # One device, or a tensor-parallel group whose driver this process is (backend.model.parallel).
+        self.runner = build_target_runner(config, self.dtype)
+        self.target, self.kv = self.runner.model, self.runner.kv
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
-        self.kv = PagedKVCache.for_model(mc, config.kv_cache_bytes, block_size=config.block_size,
-                                         dtype=self.dtype, device=config.device)
-        self.runner = ModelRunner(self.target, self.kv, capture_for(
-            self.target, self.kv, config.compile, "target", max_query_len=config.gamma_max + 1))
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
                                            self.kv.num_blocks, self.kv.block_size)
         # Longer text is refused before it is tokenized (see prompt_limit).
@@ -142,6 +135,7 @@ class Engine:
         for proposer in (self.drafter, self.ngram):
             if proposer is not None:
                 proposer.close()
+        self.runner.close()
         if self._placement is not None:
             self._placement.restore()
 

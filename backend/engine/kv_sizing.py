@@ -76,10 +76,14 @@ def size_kv_pool(args: dict, *, device: str, dtype: str, target: ModelConfig,
                  drafter: ModelConfig | None, drafter_shares_device: bool, block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, gamma_max: int,
                  device_memory: Callable[[str], tuple[int, int]] = cuda_memory,
-                 env: dict[str, str] | None = None) -> KVSize:
-    """The target pool's bytes from vLLM's memory arguments ``args`` (see the module's text)."""
+                 env: dict[str, str] | None = None, tensor_parallel_size: int = 1) -> KVSize:
+    """The target pool's bytes from vLLM's memory arguments ``args`` (see the module's text).
+    With tensor parallelism, each rank's pool (of its own kv heads) on each rank's device, beside
+    its share of the weights (the replicated embedding counted as split: a slight overestimate
+    of the room)."""
     env = os.environ if env is None else env
-    per_token_t = kv_bytes_per_token(target, dtype)
+    tp = tensor_parallel_size
+    per_token_t = kv_bytes_per_token(target, dtype) // tp
     per_token_d = kv_bytes_per_token(drafter, dtype) if drafter is not None and drafter_shares_device else 0
     share = per_token_t / (per_token_t + per_token_d)   # the target's part of a shared budget
 
@@ -113,7 +117,7 @@ def size_kv_pool(args: dict, *, device: str, dtype: str, target: ModelConfig,
             f"gpu_memory_utilization {util}: {device} has {free / GiB:.1f} GiB free of {total / GiB:.1f} GiB, "
             f"less than the {requested / GiB:.1f} GiB asked for (as vLLM, the fraction is of the device's "
             "total memory, for this instance): lower it, or free the device")
-    models = weight_bytes(target, dtype)
+    models = weight_bytes(target, dtype) // tp
     if drafter is not None and drafter_shares_device:
         models += weight_bytes(drafter, dtype)
     rows = max_num_seqs * (gamma_max + 1)

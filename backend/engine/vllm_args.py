@@ -110,8 +110,8 @@ ARGS: dict[str, Arg] = {
     "generation_config": _m("`vllm` (vLLM's own sampling defaults) is nightdraft's behaviour; `auto` (the default) "
                             "or a folder is refused when that generation_config.json sets sampling defaults, "
                             "which nightdraft does not apply"),
-    "tensor_parallel_size": _r("tensor parallelism is not implemented yet (the target runs on one device)",
-                               _neutral(1)),
+    "tensor_parallel_size": _m("`tensor_parallel_size`: the target's layers split over that many ranks "
+                               "(the instance's GPU and the N-1 after it; the KV pool sized per rank)"),
     "pipeline_parallel_size": _r("pipeline parallelism is not implemented", _neutral(1)),
     "data_parallel_size": _r("data parallelism inside one engine is not implemented; run more instances "
                              "(instance_group count) or replicas", _neutral(1)),
@@ -272,7 +272,7 @@ ARGS: dict[str, Arg] = {
     "num_speculative_tokens": _m(f"{_SPEC_LEGACY}: `num_speculative_tokens`"),
     "ngram_prompt_lookup_max": _m(f"{_SPEC_LEGACY}: `prompt_lookup_max`"),
     "ngram_prompt_lookup_min": _m(f"{_SPEC_LEGACY}: `prompt_lookup_min`"),
-    "speculative_draft_tensor_parallel_size": _r("tensor parallelism is not implemented yet", _neutral(1)),
+    "speculative_draft_tensor_parallel_size": _r("the drafter runs on one device (tensor parallelism is the target's)", _neutral(1)),
     "speculative_model_quantization": _r("quantized checkpoints are not loaded"),
     "speculative_max_model_len": _i("speculation is lossless whatever the length", _ANY),
     "speculative_disable_by_batch_size": _i("speculation is lossless; mode `auto` is nightdraft's answer to load", _ANY),
@@ -292,8 +292,8 @@ SPEC_ARGS: dict[str, Arg] = {
     "prompt_lookup_min": _m("`ngram_min` (vLLM's defaults: both 5 when neither is given, else equal)"),
     "prompt_lookup_max": _m("`ngram_max`"),
     "revision": _m("the revision of the draft `model` looked up in the Hugging Face cache"),
-    "draft_tensor_parallel_size": _r("tensor parallelism is not implemented yet", _neutral(1)),
-    "tensor_parallel_size": _r("tensor parallelism is not implemented yet", _neutral(1)),
+    "draft_tensor_parallel_size": _r("the drafter runs on one device (tensor parallelism is the target's)", _neutral(1)),
+    "tensor_parallel_size": _r("the drafter runs on one device (tensor parallelism is the target's)", _neutral(1)),
     "quantization": _r("quantized checkpoints are not loaded"),
     "acceptance_method": _r("only exact rejection sampling keeps the target's distribution",
                             _neutral("rejection_sampler")),
@@ -511,7 +511,8 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
     e["dtype"] = _dtype(args, device, target_cfg)
     if str(args.get("dtype") or "auto").lower() == "auto":
         out.defaulted.add("dtype")
-    for key in ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for key in ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                "tensor_parallel_size"):
         if args.get(key) is not None:
             e[key] = _int(key, args[key])
     if sc:
@@ -533,7 +534,8 @@ def engine_keys_from_vllm(args: dict, *, base_dir: Path, device: str, drafter_de
         block_size=e.get("block_size", defaults["block_size"]),
         max_num_batched_tokens=e.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
         max_num_seqs=e.get("max_num_seqs", defaults["max_num_seqs"]),
-        gamma_max=e.get("gamma_max", defaults["gamma_max"]), env=env, **kwargs)
+        gamma_max=e.get("gamma_max", defaults["gamma_max"]), env=env,
+        tensor_parallel_size=e.get("tensor_parallel_size", 1), **kwargs)
     if kv.target_bytes is not None:
         e["kv_cache_bytes"] = kv.target_bytes
         if not memory_args:

@@ -36,6 +36,9 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.kv.device
 
+    def close(self) -> None:
+        """Release what the runner holds beyond its tensors (a tensor-parallel group's ranks)."""
+
     def with_cache(self, kv: PagedKVCache) -> "ModelRunner":
         """A runner of the same model and captured step over another KV cache (calibration's
         throw-away pools)."""

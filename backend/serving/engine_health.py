@@ -4,6 +4,8 @@ Unhealthy means one of:
 
 - the engine loop gave up: its steps failed ``EngineLoop.MAX_CONSECUTIVE_FAILURES`` times in a
   row and it refuses every request (for good);
+- the target's tensor-parallel group is down: a rank died or hung, and the group is restarting
+  (``TensorParallelRunner.down_reason``); healthy again once it is back;
 - the drafter could not be brought back: it has been down (state ``failed`` or ``restarting``)
   through ``drafter_down_s`` seconds during which the engine had requests to serve. Restarts
   are attempted only while the engine steps, so idle time does not count; a drafter that comes
@@ -37,6 +39,9 @@ class EngineHealth:
         if not self.loop.healthy:
             fatal = self.loop.fatal
             return f"the engine loop stopped after consecutive failing steps{f': {fatal}' if fatal else ''}"
+        target_down = getattr(getattr(self.engine, "runner", None), "down_reason", None)
+        if target_down:
+            return target_down
         now = self._clock()
         last, self._last = self._last, now
         if self.drafter_down_s <= 0 or not self._drafter_down():
