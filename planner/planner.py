@@ -15,6 +15,7 @@ and called around every step (snapshot -> decide -> apply -> observe)::
     if not d.speculative and planner.wants_offload(signals): ...   # drafter weights to host
     planner.observe(ran, step_wall_s=..., tokens_committed=..., batch_size=...,
                     drafter_rebuild_s=..., drafter_reload_s=...)
+    planner.observe_serving(seconds, responses)   # a step's cost outside its forwards
 
 Reports: :meth:`summary` (counters, small enough for a log line), :meth:`stats` (plus per-context
 detail and the timeline), :attr:`switches`, :attr:`current`, :attr:`drafter_offloaded`.
@@ -30,6 +31,7 @@ The parts it composes, one concept each:
 * :mod:`planner.offload_policy` — elastic memory: pressure, offload, hold, reload, verdicts
 * :mod:`planner.step_costs` — the target forward's cost line (prefill's share, bigger batches)
 * :mod:`planner.cost_model` — AR / SD / PSD throughput from measured forward costs
+* :mod:`planner.serving_cost` — the serving path's cost per step and per response, measured
 * :mod:`planner.signals` — ``LoadSignals`` and where they come from
 * :mod:`planner.timeline` — the bounded record of decisions
 
@@ -51,6 +53,7 @@ from planner.config import DRAFTER_MODES, PlannerConfig
 from planner.contexts import ContextBins, StepLoss
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
+from planner.serving_cost import ServingCost
 from planner.signals import LoadSignals
 from planner.step_costs import ForwardCost
 from planner.switch_cost import SwitchCost
@@ -82,13 +85,15 @@ class Planner:
         self._acceptance = AcceptanceEstimate(cfg.alpha_prior)
         self._ngram_matches = MatchRate()
         self._switch = SwitchCost(cfg, cost_profile)
-        prior = (CostModelPrior(cost_profile, self._acceptance, self.bins, self._ngram_matches)
-                 if cost_profile is not None else None)
+        self.serving_cost = ServingCost()
+        self._prior = (CostModelPrior(cost_profile, self._acceptance, self.bins, self._ngram_matches,
+                                      overhead=self.serving_cost.estimate)
+                       if cost_profile is not None else None)
         self.bandit = ContextualBandit(self.arms, cfg.bandit, seed=seed,
-                                       switch_cost=self._switch_cost, prior=prior)
+                                       switch_cost=self._switch_cost, prior=self._prior)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
-                                  has_ar=AR.arm in self._decisions)
+                                  has_ar=AR.arm in self._decisions, serving=self.serving_cost)
         self._timeline = Timeline(cfg.timeline_max, cfg.timeline_every)
 
         self.steps = 0
@@ -172,6 +177,14 @@ class Planner:
         if drafter_reload_s > 0:
             self._switch.observe_reload(drafter_reload_s)
             self._drafter.reloaded()
+
+    def observe_serving(self, seconds: float, responses: int) -> None:
+        """One busy step's cost outside its forwards, as the serving path paid it: its
+        scheduling and commit and the time from its end to the next step's start (the outputs
+        handed to the front end, intake), and the outputs (responses) it emitted. Fitted per
+        step and per response (:mod:`planner.serving_cost`), it is added to every step the cost
+        model's prior and the offload's gain estimate predict."""
+        self.serving_cost.observe(seconds, responses)
 
     def wants_offload(self, signals: LoadSignals) -> bool:
         """True when plain decoding runs and either it has run for at least
@@ -263,6 +276,7 @@ class Planner:
             "alpha_estimate": self.alpha_estimate(),
             "ngram_alpha_estimate": self._ngram_matches.alpha(),
             "forward_s_per_token": self.forward_cost.seconds_per_token,
+            "serving_cost": self.serving_cost.summary(),
         }
 
     def stats(self) -> dict:
