@@ -4,8 +4,8 @@ The calibration (:mod:`backend.engine.calibration`) times bare forwards in proce
 step costs more: scheduling and admission before the forward, committing tokens into one output
 per sequence it advanced, and, between the end of one step and the start of the next, the loop
 handing those outputs to the front end (through tritonserver: queueing one response per request
-per step for the stub's IPC) and taking in new requests. In process that is a fraction of a
-millisecond; through the server it grows with every response.
+per step for the stub's IPC) and taking in new requests. In process that is small; through the
+server it grows with every response.
 
 The engine reports, for every busy step, those seconds (its scheduling and commit time plus the
 gap before the next step) and the outputs the step emitted. :class:`ServingCost` fits
