@@ -111,6 +111,9 @@ def test_the_prior_ranks_the_arms_as_the_server_pays_them():
     assert min(ARMS, key=lambda a: prior(ctx, a))[0] == "psd"
     assert max(ARMS, key=lambda a: prior(ctx, a)) == ("ar", 0)
     assert p.summary()["serving_cost"]["per_response_s"] == pytest.approx(COSTS.per_response, rel=0.1)
+    # the responses get cheap again (a lighter front end): the prior follows within a few hundred steps
+    feed(p.serving_cost, 0.0001, 0.00001, 500, rng, responses=(16, 32))
+    assert min(ARMS, key=lambda a: prior(ctx, a)) == ("ar", 0)
 
 
 def test_the_offload_gain_counts_what_amortises_and_what_does_not():
