@@ -7,15 +7,18 @@
 * :class:`MatchRate` — the n-gram drafts' per-position acceptance, from what they would have
   matched on every step (the engine's shadow lookup), discounted so that it follows the text.
 * :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted
-  per-token latency at a context's reference batch, at the estimated alpha: the bandit's warm
-  start (only its ordering of the arms has to be right; the bandit calibrates its scale).
+  per-token latency at a context's reference batch, at the estimated alpha, each step charged
+  the serving path's measured cost outside the forwards (:mod:`planner.serving_cost`): the
+  bandit's warm start (only its ordering of the arms has to be right; the bandit calibrates its
+  scale, which a cost per response, paid once per token by plain decoding and once per E tokens
+  by speculation, would otherwise skew).
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 from planner.contexts import ContextBins
-from planner.cost_model import CostProfile, expected_tokens_per_call, predict
+from planner.cost_model import CostProfile, StepOverhead, alpha_for_tokens_per_call, predict
 from planner.step_costs import ewma
 
 
@@ -42,17 +45,7 @@ class AcceptanceEstimate:
     def _alpha_uncached(self) -> float:
         if not self._e_hat:
             return self.alpha_prior
-        vals = []
-        for g, e in self._e_hat.items():
-            e = min(max(e, 1.0), g + 1.0)
-            lo, hi = 0.0, 1.0
-            for _ in range(30):
-                mid = 0.5 * (lo + hi)
-                if expected_tokens_per_call(mid, g) < e:
-                    lo = mid
-                else:
-                    hi = mid
-            vals.append(0.5 * (lo + hi))
+        vals = [alpha_for_tokens_per_call(e, g) for g, e in self._e_hat.items()]
         return min(max(sum(vals) / len(vals), 0.01), 0.99)
 
 
@@ -84,11 +77,15 @@ class CostModelPrior:
     favoured)."""
 
     def __init__(self, profile: CostProfile, acceptance: AcceptanceEstimate, bins: ContextBins,
-                 ngram: MatchRate | None = None):
+                 ngram: MatchRate | None = None,
+                 overhead: Callable[[], StepOverhead | None] | None = None):
+        """`overhead`: the serving path's measured cost outside the forwards, now (None while
+        unknown: the forwards alone)."""
         self._profile = profile
         self._acceptance = acceptance
         self._ngram = ngram
         self._bins = bins
+        self._overhead = overhead
         self._cache: dict = {}
 
     def __call__(self, ctx: Hashable, arm: tuple[str, int]) -> float:
@@ -99,12 +96,14 @@ class CostModelPrior:
             if alpha is None:
                 mode, gamma, alpha = "ar", 0, 0.0
         alpha = round(alpha, 2)
-        key = (ctx, arm, alpha)
+        overhead = self._overhead() if self._overhead is not None else None
+        overhead = overhead.rounded() if overhead is not None else None
+        key = (ctx, arm, alpha, overhead)
         v = self._cache.get(key)
         if v is None:
             b = max(int(round(self._bins.ref_batch(ctx, 1.0))), 1)
             try:
-                p = predict(mode, b, gamma, alpha, self._profile)
+                p = predict(mode, b, gamma, alpha, self._profile, overhead)
                 v = 1.0 / p.tokens_per_s if p.tokens_per_s > 0 else float("nan")
             except ValueError:
                 v = float("nan")

@@ -274,6 +274,14 @@ class ContextualBandit:
         b.chosen[i] += 1
         return self._play(i)
 
+    def refresh(self) -> None:
+        """The arms' costs moved (the caller knows why): cut every bin's evidence to
+        ``shrink_to`` observations per arm, keeping the means, as for a stale bin, so blocks are
+        short again and the confidence bounds re-probe what was not played lately."""
+        for b in self._bins.values():
+            self._shrink(b, self.config.shrink_to)
+        self.stale_resets += 1
+
     def interrupt(self) -> None:
         """End every held block: the next select() of each bin decides afresh."""
         for b in self._bins.values():
@@ -354,6 +362,15 @@ class ContextualBandit:
         if b is None:
             return {}
         return self._means_of(*self._estimates(context, b))
+
+    def measured(self, context: Context) -> dict:
+        """{arm: (mean measured loss, evidence)} for the arms measured in `context`, without
+        the prior: what the data alone says (discounted like the means)."""
+        b = self._bins.get(context)
+        if b is None:
+            return {}
+        return {a: (float(b.s[i] / b.n[i]), float(b.n[i])) for i, a in enumerate(self.arms)
+                if b.n[i] > 1e-9}
 
     def _means_of(self, means, cnt, _sigma, known) -> dict:
         return {a: (float(means[i]), float(cnt[i])) for i, a in enumerate(self.arms) if known[i]}

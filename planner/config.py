@@ -166,6 +166,13 @@ class PlannerConfig:
     offload_demand_ratio: float = _setting(1.25, "float")      # <= 0: offload whatever the demand
     demand_tau_s: float = _setting(2.0, "float", _gt(0))        # time constant of the demand estimate
     backlog_clear_s: float = _setting(5.0, "float", _gt(0))     # the waiting requests' tokens, due in
+    # fewer arms under sustained pressure (planner.pruning)
+    prune: bool = _setting(True, "bool")
+    prune_margin: float = _setting(0.05, "float", _ge(0))     # a pruned arm's loss above the best's
+    prune_min_obs: float = _setting(8.0, "float", _ge(0))     # measured evidence before pruning
+    prune_check_every: int = _setting(16, "int", _ge(1))      # steps of a bin between checks
+    prune_alpha_shift: float = _setting(0.1, "float", _gt(0))   # acceptance move that restores
+    prune_demand_shift: float = _setting(1.5, "float", _gt(1))  # demand factor that restores
     # reporting
     timeline_max: int = _setting(4096, "int", _ge(16))
     timeline_every: int = _setting(25, "int", _ge(1))

@@ -14,6 +14,21 @@ per-position acceptance rate. With those (Leviathan et al. 2023):
 PSD verifies one half of the batch while the drafter, on its own device, drafts the other half,
 so a step costs the slower of the two instead of their sum; each request advances every other
 step, which is why PSD helps throughput at load and cannot help a single request.
+
+**The step's own cost.** The forwards are not all a step costs. Each step also schedules, commits
+tokens into one output per sequence it advanced, and hands those outputs to whoever serves them
+(through tritonserver: one response per request per step, over the stub's IPC) before the next
+step starts. That is about ``per_step + per_response * responses`` seconds
+(:class:`StepOverhead`, measured while the engine runs: :mod:`planner.serving_cost`), where a
+step of AR, SD or n-gram SD emits ``b`` responses and a PSD step ``ceil(b/2)``; with it::
+
+    AR   step = T_verify(b, 1) + O(b)                                  1 token per response
+    SD   step = gamma * T_draft(b) + T_verify(b, gamma + 1) + O(b)     E tokens per response
+    PSD  step = max(gamma * T_draft(b/2), T_verify(b/2, gamma + 1) + O(b/2))
+
+so a per-response cost weighs 1/E per token on a speculative arm and fully on plain decoding.
+Left out, the model ranks plain decoding and short gammas too well wherever responses are
+expensive (docs/adaptive.md has what bench compare and bench profile show of it in process).
 """
 from __future__ import annotations
 
@@ -29,6 +44,22 @@ def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     if alpha >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def alpha_for_tokens_per_call(tokens_per_call: float, gamma: int) -> float:
+    """The per-position acceptance alpha at which ``expected_tokens_per_call(alpha, gamma)`` is
+    `tokens_per_call` (clipped to [1, gamma + 1]): what :func:`predict` takes. Not the share of
+    drafted tokens accepted, which is ``(E - 1) / gamma`` and lower (at gamma 4, E = 3.48 is
+    alpha 0.82 but an accepted share of 0.62)."""
+    e = min(max(float(tokens_per_call), 1.0), gamma + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if expected_tokens_per_call(mid, gamma) < e:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 @dataclass
@@ -80,6 +111,30 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
     return max(y, 1e-9)
 
 
+@dataclass(frozen=True)
+class StepOverhead:
+    """Seconds a step costs outside its forwards: ``per_step_s + per_response_s * responses``."""
+    per_step_s: float = 0.0
+    per_response_s: float = 0.0
+
+    def seconds(self, responses: float) -> float:
+        return self.per_step_s + self.per_response_s * max(responses, 0.0)
+
+    def rounded(self, digits: int = 2) -> "StepOverhead":
+        """The same to `digits` significant digits (a cache key that does not change every step)."""
+        return StepOverhead(_round_sig(self.per_step_s, digits), _round_sig(self.per_response_s, digits))
+
+
+def _round_sig(x: float, digits: int) -> float:
+    return float(f"{x:.{digits}g}") if x > 0 else 0.0
+
+
+def responses_per_step(mode: str, batch: int) -> int:
+    """Outputs one step emits at `batch` running requests: one per sequence it advanced (a PSD
+    step verifies half the batch)."""
+    return math.ceil(batch / 2) if mode == "psd" and batch >= 2 else batch
+
+
 @dataclass
 class Prediction:
     mode: str
@@ -90,25 +145,29 @@ class Prediction:
     tokens_per_call: float
 
 
-def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfile) -> Prediction:
-    """Steady-state decode throughput (tokens/s over all requests) for `batch` running requests."""
+def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfile,
+            overhead: StepOverhead | None = None) -> Prediction:
+    """Steady-state decode throughput (tokens/s over all requests) for `batch` running requests;
+    with `overhead`, each step also pays its own cost outside the forwards (see the module)."""
     if batch < 1:
         raise ValueError("batch must be >= 1")
+    extra = (lambda responses: overhead.seconds(responses)) if overhead is not None else (lambda _: 0.0)
     if mode == "ar" or gamma == 0:
-        step = profile.t_verify(batch, 1)
+        step = profile.t_verify(batch, 1) + extra(batch)
         return Prediction("ar", batch, 0, batch / step, step, 1.0)
     e = expected_tokens_per_call(alpha, gamma)
     if mode == "sd":
-        step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1)
+        step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1) + extra(batch)
         return Prediction("sd", batch, gamma, batch * e / step, step, e)
     if mode == "ngram":
-        step = profile.t_verify(batch, gamma + 1)
+        step = profile.t_verify(batch, gamma + 1) + extra(batch)
         return Prediction("ngram", batch, gamma, batch * e / step, step, e)
     if mode == "psd":
         if batch < 2:   # one sub-batch is empty: PSD falls back to sequential SD
-            return predict("sd", batch, gamma, alpha, profile)
+            return predict("sd", batch, gamma, alpha, profile, overhead)
         half = batch / 2
-        step = max(gamma * profile.t_draft(half), profile.t_verify(math.ceil(half), gamma + 1))
+        verified = math.ceil(half)
+        step = max(gamma * profile.t_draft(half), profile.t_verify(verified, gamma + 1) + extra(verified))
         return Prediction("psd", batch, gamma, half * e / step, step, e)
     raise ValueError(f"unknown mode {mode!r}")
 

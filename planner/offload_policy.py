@@ -175,8 +175,11 @@ class MemoryRule:
     (:class:`OffloadCheck`)."""
 
     def __init__(self, cfg: PlannerConfig, bandit, bins, forward_cost, drafter: DrafterPlace,
-                 *, has_ar: bool):
+                 *, has_ar: bool, serving=None):
+        """`serving`: the serving path's measured cost outside the forwards (a
+        :class:`~planner.serving_cost.ServingCost`; None: not known)."""
         self.cfg = cfg
+        self._serving = serving
         self.policy = OffloadPolicy(cfg)
         self.drafter = drafter
         self._bandit = bandit            # a ContextualBandit: means(), interrupt()
@@ -298,9 +301,11 @@ class MemoryRule:
         the grown pool would admit) over the best speculative arm now (at the batch that fits):
         > 1 means the drafter's memory is worth more as KV cache. From what was measured: the
         arms' means in this bin, AR's taken to the bigger batch by the target forward's cost
-        line for the forward's share and as it is for the rest of its per-token time
-        (:meth:`~planner.step_costs.ForwardCost.per_token_at`: through a server, one response
-        per request per step does not amortise); until the line is known, AR's mean in the bin
+        line for the forward's share, by the serving path's measured cost per step and per
+        response for its share (through a server, one response per request per step does not
+        amortise; the speculative arm's mean already pays it once per E tokens) and as it is for
+        the rest of its per-token time (:meth:`~planner.step_costs.ForwardCost.per_token_at`);
+        until the line is known, AR's mean in the bin
         of the bigger batch, or this bin's rescaled like the losses are). None when the engine
         cannot grow the pool or too little is measured yet."""
         g = s.kv_growth_if_offloaded
@@ -320,7 +325,8 @@ class MemoryRule:
         b2i = int(round(b2))
         ar_here = self._bandit.means(ctx).get(AR.arm)
         if ar_here is not None and ar_here[1] >= min_obs:
-            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b))
+            overhead = self._serving.estimate() if self._serving is not None else None
+            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b), overhead)
             if ar_at_b2 is not None:
                 return spec_now / ar_at_b2, spec_now
         ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))

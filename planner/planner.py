@@ -15,6 +15,7 @@ and called around every step (snapshot -> decide -> apply -> observe)::
     if not d.speculative and planner.wants_offload(signals): ...   # drafter weights to host
     planner.observe(ran, step_wall_s=..., tokens_committed=..., batch_size=...,
                     drafter_rebuild_s=..., drafter_reload_s=...)
+    planner.observe_serving(seconds, responses)   # a step's cost outside its forwards
 
 Reports: :meth:`summary` (counters, small enough for a log line), :meth:`stats` (plus per-context
 detail and the timeline), :attr:`switches`, :attr:`current`, :attr:`drafter_offloaded`.
@@ -30,6 +31,8 @@ The parts it composes, one concept each:
 * :mod:`planner.offload_policy` — elastic memory: pressure, offload, hold, reload, verdicts
 * :mod:`planner.step_costs` — the target forward's cost line (prefill's share, bigger batches)
 * :mod:`planner.cost_model` — AR / SD / PSD throughput from measured forward costs
+* :mod:`planner.serving_cost` — the serving path's cost per step and per response, measured
+* :mod:`planner.pruning` — the arms set aside while requests wait, and what brings them back
 * :mod:`planner.signals` — ``LoadSignals`` and where they come from
 * :mod:`planner.timeline` — the bounded record of decisions
 
@@ -51,6 +54,8 @@ from planner.config import DRAFTER_MODES, PlannerConfig
 from planner.contexts import ContextBins, StepLoss
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
+from planner.pruning import ArmPruner
+from planner.serving_cost import ServingCost
 from planner.signals import LoadSignals
 from planner.step_costs import ForwardCost
 from planner.switch_cost import SwitchCost
@@ -82,13 +87,19 @@ class Planner:
         self._acceptance = AcceptanceEstimate(cfg.alpha_prior)
         self._ngram_matches = MatchRate()
         self._switch = SwitchCost(cfg, cost_profile)
-        prior = (CostModelPrior(cost_profile, self._acceptance, self.bins, self._ngram_matches)
-                 if cost_profile is not None else None)
+        self.serving_cost = ServingCost()
+        self._prior = (CostModelPrior(cost_profile, self._acceptance, self.bins, self._ngram_matches,
+                                      overhead=self.serving_cost.estimate)
+                       if cost_profile is not None else None)
         self.bandit = ContextualBandit(self.arms, cfg.bandit, seed=seed,
-                                       switch_cost=self._switch_cost, prior=prior)
+                                       switch_cost=self._switch_cost, prior=self._prior)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
-                                  has_ar=AR.arm in self._decisions)
+                                  has_ar=AR.arm in self._decisions, serving=self.serving_cost)
+        self._pruner = ArmPruner(self.arms, enabled=cfg.prune, margin=cfg.prune_margin,
+                                 min_obs=cfg.prune_min_obs, check_every=cfg.prune_check_every,
+                                 alpha_shift=cfg.prune_alpha_shift,
+                                 demand_shift=cfg.prune_demand_shift, on_move=self._context_moved)
         self._timeline = Timeline(cfg.timeline_max, cfg.timeline_every)
 
         self.steps = 0
@@ -110,7 +121,7 @@ class Planner:
         self._drafter.report(signals.drafter_offloaded)
         if signals.drafter_lag_tokens is not None:
             self._switch.engine_lag = int(signals.drafter_lag_tokens)
-        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(signals, now))]
+        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)
@@ -129,14 +140,26 @@ class Planner:
         else:
             self._ar_since = (self.steps, now)
 
-    def _restriction(self, s: LoadSignals, now: float) -> tuple | None:
+    def _restriction(self, ctx: Hashable, s: LoadSignals, now: float) -> tuple | None:
         """The arms allowed this step: None (all); plain decoding only while the drafter's
         memory serves, or is about to serve, as KV cache; no batch-parallel arm with a single
         running sequence (the engine runs it as sequential SD, so the arm would never be
-        scored and, untried, it would be picked again and again)."""
+        scored and, untried, it would be picked again and again); under sustained pressure,
+        not the arms the data never ranks first in this bin (:mod:`planner.pruning`)."""
         if self._memory.hold(s, now, self.steps):
             return (AR.arm,)
-        return self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
+        base = self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
+        prior = self._prior
+        kept = self._pruner.allowed(
+            ctx, pressure=self._memory.policy.level >= 0.5, alpha=self._acceptance.alpha(),
+            demand=s.demand_tok_s, measured=lambda: self.bandit.measured(ctx),
+            estimated=lambda: self.bandit.means(ctx),
+            prior=(lambda a: prior(ctx, a)) if prior is not None else None, candidates=base)
+        if kept is None:
+            return base
+        if base is None:
+            return kept
+        return tuple(a for a in kept if a in base) or base
 
     def observe(self, decision: Decision, *, step_wall_s: float, tokens_committed: int,
                 drafter_rebuild_s: float = 0.0, drafter_reload_s: float = 0.0,
@@ -173,6 +196,20 @@ class Planner:
             self._switch.observe_reload(drafter_reload_s)
             self._drafter.reloaded()
 
+    def _context_moved(self, what: str) -> None:
+        """The pruner saw the acceptance (or the demand) move: what the bandit measured of the
+        speculative arms under the old acceptance is stale."""
+        if what == "alpha":
+            self.bandit.refresh()
+
+    def observe_serving(self, seconds: float, responses: int) -> None:
+        """One busy step's cost outside its forwards, as the serving path paid it: its
+        scheduling and commit and the time from its end to the next step's start (the outputs
+        handed to the front end, intake), and the outputs (responses) it emitted. Fitted per
+        step and per response (:mod:`planner.serving_cost`), it is added to every step the cost
+        model's prior and the offload's gain estimate predict."""
+        self.serving_cost.observe(seconds, responses)
+
     def wants_offload(self, signals: LoadSignals) -> bool:
         """True when plain decoding runs and either it has run for at least
         ``offload_after_steps`` steps and ``offload_after_s`` seconds with memory under pressure
@@ -183,6 +220,10 @@ class Planner:
             return False
         now = signals.now if signals.now is not None else self._clock()
         return self._memory.wants_offload(signals, now, self.steps, self._ar_since)
+
+    def pruned_arms(self, signals: LoadSignals) -> frozenset:
+        """The arms set aside in the bin of `signals` while pressure lasts (empty: none)."""
+        return self._pruner.pruned(self.bins.context(signals))
 
     def memory_pressure(self, s: LoadSignals) -> bool:
         """This step's pressure indicator: requests wait, or the KV pool (or GPU) is nearly full."""
@@ -263,6 +304,8 @@ class Planner:
             "alpha_estimate": self.alpha_estimate(),
             "ngram_alpha_estimate": self._ngram_matches.alpha(),
             "forward_s_per_token": self.forward_cost.seconds_per_token,
+            "serving_cost": self.serving_cost.summary(),
+            "pruning": self._pruner.summary(),
         }
 
     def stats(self) -> dict:

@@ -18,6 +18,8 @@ running least-squares fit with exponential forgetting, so it follows slow drift.
 """
 from __future__ import annotations
 
+from planner.cost_model import StepOverhead
+
 
 def ewma(old: float | None, x: float, a: float) -> float:
     """An exponentially weighted moving average's next value (the first sample as it is)."""
@@ -45,6 +47,12 @@ class RunningLine:
         self._sxx = f * self._sxx + x * x
         self._sxy = f * self._sxy + x * y
         self.points += 1
+
+    def means(self) -> tuple[float, float] | None:
+        """(mean x, mean y) of the points, weighted as the fit weighs them (None before any)."""
+        if self._n <= 0:
+            return None
+        return self._sx / self._n, self._sy / self._n
 
     def fit(self) -> tuple[float, float] | None:
         """(intercept, slope), or None until enough points with enough spread in x were seen."""
@@ -78,12 +86,14 @@ class ForwardCost:
         slope = self.seconds_per_token
         return slope * prefill_tokens if slope is not None and prefill_tokens > 0 else 0.0
 
-    def per_token_at(self, b: float, b2: float, wall_per_token: float) -> float | None:
+    def per_token_at(self, b: float, b2: float, wall_per_token: float,
+                     overhead: StepOverhead | None = None) -> float | None:
         """Plain decoding's per-token *wall* time at batch b2, from its measured `wall_per_token`
         at batch b: the forward's share follows the line (its fixed cost amortises over a bigger
-        batch); the rest of a step's time per token (sampling, commit, and through a server one
-        response per request) does not, and is carried over as it is. None until the line is
-        known."""
+        batch); with the serving path's measured `overhead` (:mod:`planner.serving_cost`), its
+        cost per step amortises too and its cost per response stays one per token; the rest of a
+        step's time per token (sampling, and whatever neither accounts for) is carried over as
+        it is. None until the line is known."""
         fit = self.line.fit()
         if fit is None:
             return None
@@ -91,6 +101,9 @@ class ForwardCost:
         fwd_b, fwd_b2 = (a + c * b) / b, (a + c * b2) / b2
         if fwd_b <= 0 or fwd_b2 <= 0:
             return None
+        if overhead is not None:
+            fwd_b += overhead.seconds(b) / b
+            fwd_b2 += overhead.seconds(b2) / b2
         rest = wall_per_token - fwd_b
         if rest < 0:            # the wall time measured below the line: scale it as the line does
             return wall_per_token * fwd_b2 / fwd_b

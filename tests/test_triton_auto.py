@@ -141,3 +141,7 @@ def test_the_planner_summary_is_written_at_unload(auto_server):
     assert summary["steps"] >= MAX_TOKENS // (1 + 4), "fewer planner decisions than the requests needed steps"
     assert sum(summary["arm_counts"].values()) > 0
     assert summary["switches"] >= m["nightdraft_planner_switches_total"]     # (the gauge may lag)
+    # the serving path's own cost, measured from the running loop behind the server
+    serving = summary["serving_cost"]
+    assert serving["steps"] > 0 and serving["per_response_s"] is not None
+    print("serving cost through tritonserver:", serving)

@@ -50,6 +50,7 @@ class AdaptiveController:
         self.extra_signals = extra_signals
         self.signals = EngineSignals(demand_tau_s=planner.config.demand_tau_s)
         self._drafter_paused = False   # the last step drafted nothing: the next drafts catch up
+        self._serving: tuple[float, int] | None = None   # the last step's own work and outputs
 
     def record_arrival(self, max_tokens: int) -> None:
         self.signals.record_arrivals(1, time.perf_counter(), max_tokens=max_tokens)
@@ -98,6 +99,7 @@ class AdaptiveController:
         return self.extra_signals(signals) if self.extra_signals is not None else signals
 
     def observe(self, step: StepStats, gamma: int, reload_s: float | None) -> None:
+        self._observe_serving(step)
         rebuild_s = 0.0
         if step.drafted and step.mode != "ngram":
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
@@ -115,3 +117,14 @@ class AdaptiveController:
                              prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
                              forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
                              ngram_matched=matched, ngram_compared=compared)
+
+    def _observe_serving(self, step: StepStats) -> None:
+        """The previous step's cost outside its forwards, now that it is complete: its
+        scheduling and commit, and the gap from its end to this step's start (its outputs handed
+        to the front end, intake, the loop's own work), against the outputs it emitted. A gap
+        after idling is not its cost, and that step is not counted."""
+        gap = step.t_cycle_s - step.t_step_s
+        if self._serving is not None and gap > 0:
+            own_s, outputs = self._serving
+            self.planner.observe_serving(own_s + gap, outputs)
+        self._serving = (step.t_schedule_s + step.t_commit_s, step.num_outputs)

@@ -215,6 +215,7 @@ class Engine:
             t1 = time.perf_counter()
             outputs += self._run(batch, step)           # forward -> verify -> commit
             step.t_verify_s = time.perf_counter() - t1
+        step.num_outputs = len(outputs)
         self._account(step, t0, reload_s)
         return outputs
 

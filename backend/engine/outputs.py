@@ -62,6 +62,7 @@ class StepStats:
     t_step_s: float = 0.0
     t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
                                       # handling of the outputs included); t_step_s after idling
+    num_outputs: int = 0              # outputs the step emitted (through a server: responses)
     overlapped: bool = False          # batch-parallel SD drafted the other sub-batch meanwhile
 
     @property
