@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from planner.cost_model import CostProfile, predict, psd_speedup_bound
+from planner.cost_model import CostProfile, alpha_for_tokens_per_call, predict, psd_speedup_bound
 from client.bench_offline import add_engine_args, executor_args
 from client.prompts import load_prompts
 from client.plotting import pyplot
@@ -248,9 +248,11 @@ def run_compare_cli(args) -> int:
 def summarise(results: dict, profile: CostProfile, gamma: int, levels: list[int]) -> list[dict]:
     rows = []
     for level in levels:
-        # alpha for the prediction: what SD measured at this level (PSD's is the same pair).
-        alphas = [r["acceptance_rate"] for n in ("sd", "psd") for r in results.get(n, {}).get(level, [])]
-        alpha = statistics.fmean(alphas) if alphas else 0.0
+        # alpha for the prediction: the per-position acceptance at which the cost model's expected
+        # tokens per call is what SD measured at this level (PSD's is the same pair); the share of
+        # drafted tokens accepted is lower and would under-predict SD.
+        calls = [r["tokens_per_target_call"] for n in ("sd", "psd") for r in results.get(n, {}).get(level, [])]
+        alpha = alpha_for_tokens_per_call(statistics.fmean(calls), gamma) if calls else 0.0
         for name, per_level in results.items():
             runs = per_level.get(level, [])
             if not runs:

@@ -79,3 +79,19 @@ def test_cores_are_not_lent_when_the_drafter_has_none_of_its_own():
         place.restore()
     finally:
         os.sched_setaffinity(0, cores)
+
+
+def test_the_prediction_takes_the_alpha_that_gives_the_measured_tokens_per_call():
+    # The share of drafted tokens accepted is not the per-position alpha the cost model takes
+    # (at gamma 4, 3.48 tokens per call is alpha 0.82 but an accepted share of 0.62).
+    from client.bench_compare import summarise
+    from planner.cost_model import CostProfile, expected_tokens_per_call, predict
+    profile = CostProfile({(b, n): 1e-3 * (1 + 0.1 * b * n) for b in (1, 4) for n in (1, 5)},
+                          {b: 2e-4 * (1 + 0.1 * b) for b in (1, 4)})
+    e = expected_tokens_per_call(0.82, 4)
+    run = {"tokens_per_s": 100.0, "acceptance_rate": (e - 1) / 4, "tokens_per_target_call": e}
+    rows = {r["config"]: r for r in summarise({"sd": {1: [run]}}, profile, 4, [1])}
+    assert rows["sd"]["predicted_tokens_per_s"] == pytest.approx(predict("sd", 1, 4, 0.82, profile).tokens_per_s,
+                                                                rel=1e-6)
+    assert rows["sd"]["predicted_tokens_per_s"] != pytest.approx(
+        predict("sd", 1, 4, (e - 1) / 4, profile).tokens_per_s, rel=1e-3)
