@@ -426,3 +426,17 @@ def test_tp2_through_tritonserver_serves_plain_decodings_text_in_every_mode(mode
             got = list(pool.map(lambda p: client.generate(p, **kw).text, prompts))
         wait_kv_free(server)
     assert got == [tokenizer.decode(ids) for ids in ar_outputs]
+
+
+def test_a_rank_that_dies_before_it_connects_fails_the_start_at_once():
+    # Pinned to a core that does not exist, rank 1 dies before it reaches the store; the driver
+    # must say so at once instead of waiting out the connect timeout (two minutes).
+    from backend.model.parallel.group import GroupFailed, RankGroup, RankSpec
+    specs = [RankSpec(path=str(TINY_TARGET), size=2, device="cpu", dtype="float32", attention="sdpa",
+                      block_size=16, num_blocks=8, pack_linears=False, port=0, timeout_s=5.0,
+                      backend="gloo", cores=cores, threads=1)
+             for cores in (None, [10_000])]
+    t0 = time.monotonic()
+    with pytest.raises(GroupFailed, match="rank 1 exited before it started"):
+        RankGroup(specs, start_timeout_s=60.0)
+    assert time.monotonic() - t0 < 30.0

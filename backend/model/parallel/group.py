@@ -170,7 +170,9 @@ def rank_main(rank: int, spec: RankSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store, compute, control = connect(rank, spec.size, spec.port, spec.backend, spec.timeout_s)
+    store = dist.TCPStore("127.0.0.1", spec.port, spec.size, False, timeout=CONNECT_TIMEOUT)
+    store.set(f"alive/{rank}", "ok")      # the driver waits for this, watching the process
+    store, compute, control = connect(rank, spec.size, spec.port, spec.backend, spec.timeout_s, store=store)
     try:
         model = load_shard(spec.path, rank, spec.size, device=device, dtype=getattr(torch, spec.dtype),
                            attention=spec.attention)
@@ -240,24 +242,28 @@ class RankGroup:
             self.procs.append(p)
         self.pids = [p.pid for p in self.procs]
         try:
+            # A rank that dies before it connects (a failed import, a spawn error) must fail the
+            # start at once, not after the connect timeout: wait for each, watching its process.
+            deadline = time.monotonic() + start_timeout_s
+            self._wait_for("alive", "started", deadline)
             _, self.compute, control = connect(0, size, port, specs[0].backend, specs[0].timeout_s,
                                                store=self._store)
-            self._wait_ready(start_timeout_s)
+            self._wait_for("ready", "loaded", deadline)
         except BaseException:
             self.close(timeout_s=1.0)
             raise
         self.channel = Channel(control)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _wait_for(self, key: str, what: str, deadline: float) -> None:
+        """Every rank's `key` in the store, failing as soon as a rank's process is gone."""
         for rank, p in enumerate(self.procs, start=1):
-            while not self._store.check([f"ready/{rank}"]):
+            while not self._store.check([f"{key}/{rank}"]):
                 if not p.is_alive():
-                    raise GroupFailed(f"tensor-parallel rank {rank} exited while loading (code {p.exitcode})")
+                    raise GroupFailed(f"tensor-parallel rank {rank} exited before it {what} (code {p.exitcode})")
                 if time.monotonic() > deadline:
-                    raise GroupFailed(f"tensor-parallel rank {rank} did not load within {timeout_s:.0f} s")
+                    raise GroupFailed(f"tensor-parallel rank {rank} not {what} within the start timeout")
                 time.sleep(0.05)
-            status = self._store.get(f"ready/{rank}").decode()
+            status = self._store.get(f"{key}/{rank}").decode()
             if status != "ok":
                 raise GroupFailed(f"tensor-parallel rank {rank} failed to load: {status}")
 
