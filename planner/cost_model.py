@@ -21,6 +21,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from backend.mode import STEP_MODES, Mode
+
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     if gamma <= 0:
@@ -82,7 +84,7 @@ def _interp(points: list[tuple[int, float]], x: float) -> float:
 
 @dataclass
 class Prediction:
-    mode: str
+    mode: Mode
     batch: int
     gamma: int
     tokens_per_s: float
@@ -90,27 +92,26 @@ class Prediction:
     tokens_per_call: float
 
 
-def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfile) -> Prediction:
+def predict(mode: Mode | str, batch: int, gamma: int, alpha: float, profile: CostProfile) -> Prediction:
     """Steady-state decode throughput (tokens/s over all requests) for `batch` running requests."""
     if batch < 1:
         raise ValueError("batch must be >= 1")
-    if mode == "ar" or gamma == 0:
+    mode = Mode.parse(mode, STEP_MODES)
+    if mode is Mode.AR or gamma == 0:
         step = profile.t_verify(batch, 1)
-        return Prediction("ar", batch, 0, batch / step, step, 1.0)
+        return Prediction(Mode.AR, batch, 0, batch / step, step, 1.0)
     e = expected_tokens_per_call(alpha, gamma)
-    if mode == "sd":
+    if mode is Mode.SD:
         step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1)
-        return Prediction("sd", batch, gamma, batch * e / step, step, e)
-    if mode == "ngram":
+    elif mode is Mode.NGRAM:
         step = profile.t_verify(batch, gamma + 1)
-        return Prediction("ngram", batch, gamma, batch * e / step, step, e)
-    if mode == "psd":
-        if batch < 2:   # one sub-batch is empty: PSD falls back to sequential SD
-            return predict("sd", batch, gamma, alpha, profile)
+    elif batch < 2:   # PSD with one sub-batch empty falls back to sequential SD
+        return predict(Mode.SD, batch, gamma, alpha, profile)
+    else:
         half = batch / 2
         step = max(gamma * profile.t_draft(half), profile.t_verify(math.ceil(half), gamma + 1))
-        return Prediction("psd", batch, gamma, half * e / step, step, e)
-    raise ValueError(f"unknown mode {mode!r}")
+        return Prediction(mode, batch, gamma, half * e / step, step, e)
+    return Prediction(mode, batch, gamma, batch * e / step, step, e)
 
 
 def psd_speedup_bound(batch: int, gamma: int, profile: CostProfile) -> float:
