@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from backend.batching.scheduler import ScheduledSeq
 from backend.batching.sequence import Sequence
 from backend.engine.outputs import RequestOutput, TokenLogprob
 from backend.step import PassCounts
-
-if TYPE_CHECKING:
-    from backend.engine.requests import Requests
 
 log = logging.getLogger("nightdraft.engine")
 
@@ -131,11 +128,11 @@ def _advance_grammar(seq: Sequence, token: int) -> str | None:
     return "stop" if seq.grammar.terminated else None
 
 
-def commit_decided(s: ScheduledSeq, decided, counts: PassCounts, requests: Requests, kv,
-                   eos_token_ids: tuple[int, ...], max_model_len: int,
-                   on_finish: Callable[[Sequence], None] | None = None) -> RequestOutput | None:
-    """Commit one scheduled sequence's decided tokens (or fail it with the error that stopped
-    it), counting them in the step's `counts`."""
+def commit_decided(s: ScheduledSeq, decided, counts: PassCounts, *, kv, eos_token_ids: tuple[int, ...],
+                   max_model_len: int, finish: Callable[[Sequence, str], None],
+                   fail: Callable[[Sequence, str], RequestOutput]) -> RequestOutput | None:
+    """Commit one scheduled sequence's decided tokens (or `fail` it with the error that stopped
+    it; `finish` it where it stops), counting them in the step's `counts`."""
     seq = s.seq
     if s.num_new > 1 or not s.completes:   # (asked before num_computed moves on)
         counts.num_prefill_tokens += s.num_new
@@ -146,7 +143,7 @@ def commit_decided(s: ScheduledSeq, decided, counts: PassCounts, requests: Reque
         return None
     if isinstance(decided, Exception):
         log.error("request %s failed in sampling/verification: %s", seq.request_id, decided)
-        return requests.fail(seq, f"sampling failed: {type(decided).__name__}: {decided}")
+        return fail(seq, f"sampling failed: {type(decided).__name__}: {decided}")
     if seq.first_token_time is None:
         seq.first_token_time = time.perf_counter()
     tokens = decided.tokens
@@ -154,9 +151,7 @@ def commit_decided(s: ScheduledSeq, decided, counts: PassCounts, requests: Reque
     # K/V of rejected drafts (and of the last token, the next input) is not kept.
     seq.num_computed = len(seq) - 1
     if reason:
-        requests.finish(seq, reason)
-        if on_finish is not None:
-            on_finish(seq)
+        finish(seq, reason)
     else:
         kv.truncate(seq.request_id, seq.num_computed)
     if s.gamma:

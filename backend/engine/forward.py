@@ -56,11 +56,17 @@ class TargetPass:
         decisions = decide(batch, rows, logits, eos)
         t1 = time.perf_counter()
         outputs = [out for s, d in zip(batch, decisions)
-                   if (out := commit_decided(s, d, counts, self.requests, self.kv, eos,
-                                             self.max_model_len, self.on_finish)) is not None]
+                   if (out := commit_decided(s, d, counts, kv=self.kv, eos_token_ids=eos,
+                                             max_model_len=self.max_model_len, finish=self._finish,
+                                             fail=self.requests.fail)) is not None]
         counts.t_decide_s += t1 - t0
         counts.t_commit_s += time.perf_counter() - t1
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.requests.finish(seq, reason)
+        if self.on_finish is not None:
+            self.on_finish(seq)
 
     def forward(self, batch: list[ScheduledSeq], counts: PassCounts):
         """One forward over every scheduled sequence; logits only where tokens are decided (and
