@@ -106,14 +106,15 @@ class AdaptiveController:
         """After the step: `plan`, what this controller issued (as the engine ran it), and the
         step's result."""
         rebuild_s = 0.0
-        if step.mode.uses_drafter:
+        if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.stats().last_catchup_s
             self._drafter_paused = False
         else:
             self._drafter_paused = True
-        # What actually ran (the drafter may have proposed nothing), where it is not what was issued.
-        ran = Decision(step.mode, plan.gamma) if step.mode.speculative else AR
+        # What actually ran, where it is not what was issued: no drafts verified (the drafter on
+        # its way back, or nothing proposed) is plain decoding.
+        ran = Decision(step.mode, plan.gamma) if step.drafted else AR
         matched, compared = (self.ngram_shadow.observe(self.scheduler.running)
                              if self.ngram_shadow is not None else (0, 0))
         self.planner.observe(self._issued, StepOutcome(

@@ -200,16 +200,16 @@ class Engine:
             return outputs
         reload_s, self._reload_s = self._reload_s, None     # reported with the next busy step
 
-        plan = self._next_plan()
+        plan = self._next_plan()                               # plan
         strategy = self._strategy_for(plan)
-        batch = strategy.schedule(self.scheduler, plan)
+        batch = strategy.schedule(self.scheduler, plan)        # schedule
         if self.intake.any_queued:
             self.intake.started([s.seq.request_id for s in batch])
         if not batch:
             return outputs + self.requests.fail_unfittable()
         t_schedule_s = time.perf_counter() - t0
-        drafting = strategy.propose(batch, plan)
-        counts = PassCounts()
+        drafting = strategy.propose(batch, plan)               # propose
+        counts = PassCounts()                                  # forward -> verify -> commit
         committed, side = strategy.alongside(plan, lambda: self.target_pass(batch, counts))
         result = self._accounts.record(plan, len(batch), counts, drafting + side, t0, t_schedule_s,
                                        still_busy=self.scheduler.has_work())
