@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from backend.mode import Mode
 from planner.cost_model import CostProfile, alpha_for_tokens_per_call, predict, psd_speedup_bound
 from client.bench_offline import add_engine_args, executor_args
 from client.prompts import load_prompts
@@ -155,7 +156,7 @@ def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: 
         sums["verify"] += st.t_verify_s
         sums["step"] += st.t_step_s
         sums["steps"] += 1
-        if st.mode == "psd":
+        if st.mode is Mode.PSD:
             sums["psd_draft"] += st.t_draft_s
             sums["psd_verify"] += st.t_verify_s
             sums["psd_step"] += st.t_step_s

@@ -155,8 +155,8 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
             if o.finished:
                 r.finish = t
         st = engine.stats()
-        mode = st.last_step.mode if st.last_step is not None else "ar"
-        state = (mode, st.gamma if mode != "ar" else 0, st.drafter_state, st.kv_total_blocks)
+        mode = st.last_step.mode                      # what the last step ran
+        state = (mode.value, st.gamma if mode.speculative else 0, st.drafter_state, st.kv_total_blocks)
         if state != last_state or t - timeline[-1]["t"] >= TIMELINE_EVERY_S:
             timeline.append({"t": t, "mode": state[0], "gamma": state[1], "drafter": state[2],
                              "kv_blocks": state[3], "running": st.num_running, "waiting": st.num_waiting})

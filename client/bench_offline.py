@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend.mode import CONFIGURED_MODES, Mode
 from client.prompts import REPO, load_prompts
 
 DEFAULT_TARGET = REPO / "models" / "tiny-target"
@@ -39,7 +40,7 @@ def executor_args(args) -> dict:
 def add_offline_parser(bench_sub) -> None:
     p = bench_sub.add_parser("offline", help="run the engine in-process on held-out prompts")
     add_engine_args(p)
-    p.add_argument("--mode", default="sd", choices=["ar", "sd", "psd", "auto"])
+    p.add_argument("--mode", default=Mode.SD, type=Mode, choices=CONFIGURED_MODES)
     p.add_argument("--drafter-device", default=None,
                    help="run the drafter in a worker on its own device: cpu, cpu:CORES or cuda:N "
                         "(psd needs one; default for psd: cpu)")
@@ -58,17 +59,19 @@ def add_offline_parser(bench_sub) -> None:
     p.set_defaults(func=run_offline_cli)
 
 
-def build_engine(args, mode: str, gamma: int):
+def build_engine(args, mode: Mode | str, gamma: int):
     from backend.engine.engine import Engine
     from backend.engine.config import EngineConfig
+    mode = Mode.parse(mode, CONFIGURED_MODES)
     drafter_device = getattr(args, "drafter_device", None)
-    if mode == "psd" and drafter_device is None:
+    if mode is Mode.PSD and drafter_device is None:
         drafter_device = "cpu" if args.device == "cpu" else None
+    plain = mode is Mode.AR
     return Engine(EngineConfig(
-        target=args.target, drafter=args.drafter if mode != "ar" else None, device=args.device,
-        drafter_device=drafter_device if mode != "ar" else None,
+        target=args.target, drafter=None if plain else args.drafter, device=args.device,
+        drafter_device=None if plain else drafter_device,
         dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20, mode=mode,
-        gamma=gamma if mode != "ar" else 0, gamma_max=max(8, gamma), seed=args.seed,
+        gamma=0 if plain else gamma, gamma_max=max(8, gamma), seed=args.seed,
         num_threads=args.threads, max_num_seqs=max(64, args.concurrency),
         planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate"),
         lend_drafter_cores=getattr(args, "lend_drafter_cores", True), **executor_args(args)))
@@ -94,8 +97,8 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
         step_times.append(s.t_step_s)
         t_draft += s.t_draft_s
         t_verify += s.t_verify_s
-        modes[s.mode] = modes.get(s.mode, 0) + 1
-        if s.mode == "psd":
+        modes[s.mode.value] = modes.get(s.mode.value, 0) + 1
+        if s.mode is Mode.PSD:
             psd["draft"] += s.t_draft_s
             psd["verify"] += s.t_verify_s
             psd["step"] += s.t_step_s
@@ -114,7 +117,7 @@ def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int
     calls = after.target_calls - calls0
     out_tokens = sum(len(c.output_ids) for c in completions)
     return {
-        "mode": engine.mode,
+        "mode": engine.config.mode.value,
         "gamma": engine.gamma,
         "requests": len(prompts),
         "concurrency": concurrency,
@@ -148,7 +151,7 @@ def run_offline_cli(args) -> int:
     result = run_offline(engine, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency,
                          temperature=args.temperature, seed=args.seed)
     engine.close()
-    result.update(target=args.target, drafter=args.drafter if args.mode != "ar" else None)
+    result.update(target=args.target, drafter=None if args.mode is Mode.AR else args.drafter)
     print(summary_line(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

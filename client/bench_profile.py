@@ -25,12 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+from backend.mode import Mode
 from client.bench_offline import add_engine_args, executor_args
 from client.prompts import load_prompts
 from client.plotting import pyplot
 
 PHASES = ("schedule", "draft", "prepare", "forward", "verify", "commit", "other")
-CONFIGS = ("ar", "sd", "psd")
+CONFIGS = tuple(m.value for m in (Mode.AR, Mode.SD, Mode.PSD))     # each configuration runs one mode
 
 
 def add_profile_parser(bench_sub) -> None:
@@ -61,14 +62,11 @@ def build(args, name: str):
 
     common = dict(target=args.target, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mb << 20,
                   max_num_seqs=128, num_threads=args.threads or 1, seed=0, **executor_args(args))
-    if name == "ar":
-        return Engine(EngineConfig(**common, mode="ar"))
-    if name == "sd":
-        return Engine(EngineConfig(**common, mode="sd", drafter=args.drafter, gamma=args.gamma))
-    if name == "psd":
-        return Engine(EngineConfig(**common, mode="psd", drafter=args.drafter, gamma=args.gamma,
-                                   drafter_device="cpu"))
-    raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
+    mode = Mode.parse(name, (Mode.AR, Mode.SD, Mode.PSD), what="configuration")
+    if mode is Mode.AR:
+        return Engine(EngineConfig(**common, mode=mode))
+    return Engine(EngineConfig(**common, mode=mode, drafter=args.drafter, gamma=args.gamma,
+                               drafter_device="cpu" if mode is Mode.PSD else None))
 
 
 def steady_steps(engine, name: str, prompts: list[str], conc: int, args) -> tuple[list, float, int]:
@@ -78,7 +76,7 @@ def steady_steps(engine, name: str, prompts: list[str], conc: int, args) -> tupl
 
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
                              seed=None if args.temperature == 0 else i) for i in range(len(prompts))]
-    full = conc if name != "psd" or conc < 2 else (conc + 1) // 2   # psd verifies half
+    full = conc if name != Mode.PSD or conc < 2 else (conc + 1) // 2   # psd verifies half
     steps = []
 
     def on_step(_outs):
@@ -97,7 +95,7 @@ def phase_split(steps: list) -> dict[str, float]:
     def med(f):
         return statistics.median(f(s) for s in steps)
     split = {"schedule": med(lambda s: s.t_schedule_s),
-             "draft": med(lambda s: s.t_draft_s if s.mode != "psd" else s.t_transport_s),
+             "draft": med(lambda s: s.t_draft_s if s.mode is not Mode.PSD else s.t_transport_s),
              "prepare": med(lambda s: s.t_prepare_s), "forward": med(lambda s: s.t_forward_s),
              "verify": med(lambda s: s.t_decide_s), "commit": med(lambda s: s.t_commit_s)}
     step = med(lambda s: s.t_step_s)
@@ -150,10 +148,10 @@ def profile_config(engine, name: str, conc: int, prompts: list[str], floors: Flo
     row |= {"step_ms": 1e3 * split["step"], "phases_ms": {k: 1e3 * v for k, v in split.items() if k != "step"},
             "batch": batch, "forward_rows": rows, "context_tokens": context,
             "target_floor_ms": 1e3 * target_floor, "kv_floor_ms": 1e3 * kv_floor}
-    g = args.gamma if name != "ar" else 0
-    if name == "ar":
+    g = args.gamma if name != Mode.AR else 0
+    if name == Mode.AR:
         floor, full = target_floor, target_floor + kv_floor
-    elif name == "sd":
+    elif name == Mode.SD:
         # The drafter attends about the same contexts (without the drafts being verified).
         drafter_context = max(context - g * int(batch), int(batch))
         drafter_floor = floors("drafter", int(batch))
@@ -165,7 +163,7 @@ def profile_config(engine, name: str, conc: int, prompts: list[str], floors: Flo
                 "drafter_step_over_full_floor": draft_step / drafter_full}
         floor, full = target_floor + g * drafter_floor, target_floor + kv_floor + g * drafter_full
     else:   # psd: the worker drafts the other half while the target verifies
-        psd = [s for s in steps if s.mode == "psd"]
+        psd = [s for s in steps if s.mode is Mode.PSD]
         if psd:
             row["overlap"] = statistics.median(s.overlap for s in psd)
             row["worker_draft_ms"] = 1e3 * statistics.median(s.t_draft_s for s in psd)
@@ -190,7 +188,7 @@ def run_profile_cli(args) -> int:
     for name in names:
         print(f"profiling {name} ...", file=sys.stderr)
         engine = build(args, name)
-        floors = Floors(engine.target, args.drafter if name != "ar" else None, engine.dtype)
+        floors = Floors(engine.target, None if name == Mode.AR else args.drafter, engine.dtype)
         try:
             for conc in levels:
                 n = max(4, int(conc * args.requests_per_level))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
+from backend.mode import Mode
 from planner.contexts import ContextBins
 from planner.cost_model import CostProfile, StepOverhead, alpha_for_tokens_per_call, predict
 from planner.step_costs import ewma
@@ -88,13 +89,13 @@ class CostModelPrior:
         self._overhead = overhead
         self._cache: dict = {}
 
-    def __call__(self, ctx: Hashable, arm: tuple[str, int]) -> float:
-        mode, gamma = arm
+    def __call__(self, ctx: Hashable, arm: tuple[Mode, int]) -> float:
+        mode, gamma = Mode(arm[0]), arm[1]
         alpha = self._acceptance.alpha()
-        if mode == "ngram":
+        if mode is Mode.NGRAM:
             alpha = self._ngram.alpha() if self._ngram is not None else None
             if alpha is None:
-                mode, gamma, alpha = "ar", 0, 0.0
+                mode, gamma, alpha = Mode.AR, 0, 0.0
         alpha = round(alpha, 2)
         overhead = self._overhead() if self._overhead is not None else None
         overhead = overhead.rounded() if overhead is not None else None

@@ -1,7 +1,7 @@
 """What the planner chooses between: a :class:`Decision` (mode, gamma) per step, and the arms.
 
-Arms are ``("ar", 0)``, ``("sd", g)`` for g in gamma_min..gamma_max and, when a drafter has its
-own device, ``("psd", g)``; when the engine also holds an n-gram proposer, ``("ngram", g)``
+Arms are ``(Mode.AR, 0)``, ``(Mode.SD, g)`` for g in gamma_min..gamma_max and, when a drafter has its
+own device, ``(Mode.PSD, g)``; when the engine also holds an n-gram proposer, ``(Mode.NGRAM, g)``
 (sequential SD with prompt-lookup drafts: no drafter model, so turning to it costs no catch-up
 and the drafter's cores may serve the target meanwhile). ``modes`` restricts them (plain
 decoding is always there when gamma_max is 0).
@@ -10,21 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.config import DRAFTER_MODES, MODES
+from backend.mode import STEP_MODES, Mode
 
-Arm = tuple[str, int]
+Arm = tuple[Mode, int]
 
 
 @dataclass(frozen=True)
 class Decision:
-    mode: str    # "ar" | "sd" | "psd" | "ngram"
-    gamma: int   # 0 iff mode == "ar"
+    mode: Mode   # one of STEP_MODES (a name parses)
+    gamma: int   # 0 iff mode is AR
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
-        if (self.gamma == 0) != (self.mode == "ar") or self.gamma < 0:
-            raise ValueError(f"gamma must be 0 iff mode is 'ar' (got {self.mode!r}, {self.gamma})")
+        object.__setattr__(self, "mode", Mode.parse(self.mode, STEP_MODES))
+        if (self.gamma == 0) != (self.mode is Mode.AR) or self.gamma < 0:
+            raise ValueError(f"gamma must be 0 iff mode is {Mode.AR.value!r} (got {self.mode.value!r}, {self.gamma})")
 
     @property
     def arm(self) -> Arm:
@@ -32,40 +31,41 @@ class Decision:
 
     @property
     def speculative(self) -> bool:
-        return self.mode != "ar"
+        return self.mode.speculative
 
     @property
     def uses_drafter(self) -> bool:
         """Does this arm need the drafter model (its catch-up, its device)?"""
-        return self.mode in DRAFTER_MODES
+        return self.mode.uses_drafter
 
     def __str__(self) -> str:
         return arm_str(self.arm)
 
 
-AR = Decision("ar", 0)
+AR = Decision(Mode.AR, 0)
 
 
 def arm_str(arm: Arm) -> str:
-    """``"ar"``, ``"sd:3"``, ``"psd:2"``."""
-    return "ar" if arm[0] == "ar" else f"{arm[0]}:{arm[1]}"
+    """``ar``, ``sd:3``, ``psd:2``."""
+    mode = Mode(arm[0])
+    return mode.value if mode is Mode.AR else f"{mode.value}:{arm[1]}"
 
 
-def make_arms(gamma_max: int, psd_available: bool, modes: tuple[str, ...] | None = None,
+def make_arms(gamma_max: int, psd_available: bool, modes: tuple[Mode, ...] | None = None,
               gamma_min: int = 1, ngram_available: bool = False) -> list[Arm]:
     if gamma_max < 0:
         raise ValueError("gamma_max must be >= 0")
-    modes = modes if modes is not None else MODES
+    modes = modes if modes is not None else STEP_MODES
     gammas = range(max(gamma_min, 1), gamma_max + 1)
     arms: list[Arm] = []
-    if "ar" in modes or gamma_max == 0:
-        arms.append(("ar", 0))
-    if "sd" in modes:
-        arms += [("sd", g) for g in gammas]
-    if psd_available and "psd" in modes:
-        arms += [("psd", g) for g in gammas]
-    if ngram_available and "ngram" in modes:
-        arms += [("ngram", g) for g in gammas]
+    if Mode.AR in modes or gamma_max == 0:
+        arms.append(AR.arm)
+    if Mode.SD in modes:
+        arms += [(Mode.SD, g) for g in gammas]
+    if psd_available and Mode.PSD in modes:
+        arms += [(Mode.PSD, g) for g in gammas]
+    if ngram_available and Mode.NGRAM in modes:
+        arms += [(Mode.NGRAM, g) for g in gammas]
     if not arms:
         raise ValueError("no arms: check gamma_max, gamma_min and modes")
     return arms

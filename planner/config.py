@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-MODES = ("ar", "sd", "psd", "ngram")
-DRAFTER_MODES = ("sd", "psd")          # the arms that need the drafter model
+from backend.mode import STEP_MODES, Mode
 CONTEXT_BINS = ("batch", "batch_waiting")
 
 
@@ -184,11 +183,12 @@ class PlannerConfig:
         modes = self.modes
         if modes is not None:
             if isinstance(modes, str) or not isinstance(modes, (list, tuple)):
-                raise ValueError(f"modes: must be a list of modes out of {list(MODES)}, got {modes!r}")
-            bad = [m for m in modes if m not in MODES]
+                raise ValueError(f"modes: must be a list of modes out of {[m.value for m in STEP_MODES]}, "
+                                 f"got {modes!r}")
+            bad = [m for m in modes if m not in STEP_MODES]
             if bad:
-                raise ValueError(f"modes: unknown mode(s) {bad}; known: {list(MODES)}")
-            object.__setattr__(self, "modes", tuple(modes))
+                raise ValueError(f"modes: unknown mode(s) {bad}; known: {[m.value for m in STEP_MODES]}")
+            object.__setattr__(self, "modes", tuple(Mode(m) for m in modes))
         if not (callable(self.context_bins) or self.context_bins in CONTEXT_BINS):
             raise ValueError(f"context_bins: must be one of {list(CONTEXT_BINS)} or a callable, "
                              f"got {self.context_bins!r}")
@@ -226,5 +226,5 @@ class PlannerConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "bandit"}
         out.update({key: getattr(self.bandit, name) for key, name in _BANDIT_KEYS.items()})
         if self.modes is not None:
-            out["modes"] = list(self.modes)
+            out["modes"] = [m.value for m in self.modes]
         return out

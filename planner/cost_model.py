@@ -36,6 +36,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from backend.mode import STEP_MODES, Mode
+
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     if gamma <= 0:
@@ -129,15 +131,15 @@ def _round_sig(x: float, digits: int) -> float:
     return float(f"{x:.{digits}g}") if x > 0 else 0.0
 
 
-def responses_per_step(mode: str, batch: int) -> int:
+def responses_per_step(mode: Mode | str, batch: int) -> int:
     """Outputs one step emits at `batch` running requests: one per sequence it advanced (a PSD
     step verifies half the batch)."""
-    return math.ceil(batch / 2) if mode == "psd" and batch >= 2 else batch
+    return math.ceil(batch / 2) if Mode.parse(mode, STEP_MODES) is Mode.PSD and batch >= 2 else batch
 
 
 @dataclass
 class Prediction:
-    mode: str
+    mode: Mode
     batch: int
     gamma: int
     tokens_per_s: float
@@ -145,31 +147,30 @@ class Prediction:
     tokens_per_call: float
 
 
-def predict(mode: str, batch: int, gamma: int, alpha: float, profile: CostProfile,
+def predict(mode: Mode | str, batch: int, gamma: int, alpha: float, profile: CostProfile,
             overhead: StepOverhead | None = None) -> Prediction:
     """Steady-state decode throughput (tokens/s over all requests) for `batch` running requests;
     with `overhead`, each step also pays its own cost outside the forwards (see the module)."""
     if batch < 1:
         raise ValueError("batch must be >= 1")
-    extra = (lambda responses: overhead.seconds(responses)) if overhead is not None else (lambda _: 0.0)
-    if mode == "ar" or gamma == 0:
+    mode = Mode.parse(mode, STEP_MODES)
+    extra = overhead.seconds if overhead is not None else (lambda _responses: 0.0)
+    if mode is Mode.AR or gamma == 0:
         step = profile.t_verify(batch, 1) + extra(batch)
-        return Prediction("ar", batch, 0, batch / step, step, 1.0)
+        return Prediction(Mode.AR, batch, 0, batch / step, step, 1.0)
     e = expected_tokens_per_call(alpha, gamma)
-    if mode == "sd":
+    if mode is Mode.SD:
         step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1) + extra(batch)
-        return Prediction("sd", batch, gamma, batch * e / step, step, e)
-    if mode == "ngram":
+    elif mode is Mode.NGRAM:
         step = profile.t_verify(batch, gamma + 1) + extra(batch)
-        return Prediction("ngram", batch, gamma, batch * e / step, step, e)
-    if mode == "psd":
-        if batch < 2:   # one sub-batch is empty: PSD falls back to sequential SD
-            return predict("sd", batch, gamma, alpha, profile, overhead)
+    elif batch < 2:   # PSD with one sub-batch empty falls back to sequential SD
+        return predict(Mode.SD, batch, gamma, alpha, profile, overhead)
+    else:
         half = batch / 2
         verified = math.ceil(half)
         step = max(gamma * profile.t_draft(half), profile.t_verify(verified, gamma + 1) + extra(verified))
-        return Prediction("psd", batch, gamma, half * e / step, step, e)
-    raise ValueError(f"unknown mode {mode!r}")
+        return Prediction(mode, batch, gamma, half * e / step, step, e)
+    return Prediction(mode, batch, gamma, batch * e / step, step, e)
 
 
 def psd_speedup_bound(batch: int, gamma: int, profile: CostProfile) -> float:

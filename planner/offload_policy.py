@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 
+from backend.mode import Mode
 from planner.arms import AR
 from planner.config import PlannerConfig
 from planner.signals import LoadSignals
@@ -292,7 +293,7 @@ class MemoryRule:
         batch: speculative arms, or plain decoding; None when none is."""
         ctx = self._bins.context(s)
         means = [m for a, (m, n) in self._bandit.means(ctx).items()
-                 if (a[0] != "ar") == speculative and n >= self.cfg.gain_min_obs]
+                 if Mode(a[0]).speculative == speculative and n >= self.cfg.gain_min_obs]
         return min(means) / self._bins.norm(ctx, max(int(s.batch_size), 1)) if means else None
 
     def estimate(self, s: LoadSignals) -> tuple[float, float] | None:

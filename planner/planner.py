@@ -11,10 +11,11 @@ and called around every step (snapshot -> decide -> apply -> observe)::
 
     signals = engine_signals.snapshot(...)    # LoadSignals
     d = planner.decide(signals)               # -> Decision(mode, gamma)
-    ... run the step as d says (or as close as it can: pass what it actually ran) ...
+    ... run the step as d says (or as close as it can: the outcome says what it actually ran) ...
     if not d.speculative and planner.wants_offload(signals): ...   # drafter weights to host
-    planner.observe(ran, step_wall_s=..., tokens_committed=..., batch_size=...,
-                    drafter_rebuild_s=..., drafter_reload_s=...)
+    planner.observe(d, StepOutcome(step_wall_s=..., tokens_committed=..., batch_size=...,
+                                   ran=...,  # only where the step could not run d
+                                   drafter_rebuild_s=..., drafter_reload_s=...))
     planner.observe_serving(seconds, responses)   # a step's cost outside its forwards
 
 Reports: :meth:`summary` (counters, small enough for a log line), :meth:`stats` (plus per-context
@@ -24,6 +25,7 @@ The parts it composes, one concept each:
 
 * :mod:`planner.config` — ``PlannerConfig`` / ``BanditConfig``: the settings, validated
 * :mod:`planner.arms` — ``Decision``, ``AR`` and the arms (mode, gamma)
+* :mod:`planner.outcome` — ``StepOutcome``: what a step cost and committed, observed with its decision
 * :mod:`planner.contexts` — context bins and the loss (per-token latency, rescaled in a bin)
 * :mod:`planner.bandit` — the contextual bandit that picks the arm per context
 * :mod:`planner.acceptance` — the acceptance estimate and the cost model's prior for the bandit
@@ -50,18 +52,20 @@ from typing import Callable, Hashable
 from planner.acceptance import AcceptanceEstimate, CostModelPrior, MatchRate
 from planner.arms import AR, Arm, Decision, arm_str, make_arms
 from planner.bandit import ContextualBandit
-from planner.config import DRAFTER_MODES, PlannerConfig
+from backend.mode import Mode
+from planner.config import PlannerConfig
 from planner.contexts import ContextBins, StepLoss
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
 from planner.pruning import ArmPruner
 from planner.serving_cost import ServingCost
+from planner.outcome import StepOutcome
 from planner.signals import LoadSignals
 from planner.step_costs import ForwardCost
 from planner.switch_cost import SwitchCost
 from planner.timeline import Timeline
 
-__all__ = ["AR", "Decision", "Planner"]
+__all__ = ["AR", "Decision", "Planner", "StepOutcome"]
 
 
 class Planner:
@@ -79,7 +83,7 @@ class Planner:
         self.cost_profile = cost_profile
         self._clock = clock
         self._decisions = {a: Decision(*a) for a in self.arms}
-        self._no_psd_arms = tuple(a for a in self.arms if a[0] != "psd") or None
+        self._no_psd_arms = tuple(a for a in self.arms if a[0] is not Mode.PSD) or None
 
         self.bins = ContextBins(cfg.context_bins, cost_profile, cfg.batch_exponent)
         self.forward_cost = ForwardCost()
@@ -161,39 +165,37 @@ class Planner:
             return kept
         return tuple(a for a in kept if a in base) or base
 
-    def observe(self, decision: Decision, *, step_wall_s: float, tokens_committed: int,
-                drafter_rebuild_s: float = 0.0, drafter_reload_s: float = 0.0,
-                batch_size: int, prefill_tokens: int = 0, forward_tokens: int = 0,
-                forward_s: float = 0.0, ngram_matched: int = 0, ngram_compared: int = 0) -> None:
-        """Feed back one step: the decision the engine actually ran (not the one asked for, when
-        e.g. the drafter was still reloading), its wall time, the tokens it committed over all
-        sequences, the sequences it advanced, and the drafter's catch-up / reload times when
-        speculation resumed after a gamma = 0 period. With ``prefill_tokens`` (prompt tokens fed
-        this step) and the target forward's size and time (``forward_tokens``, ``forward_s``),
-        the prefill's share of the wall time is estimated (:mod:`planner.step_costs`) and not
-        charged to the arm. ``ngram_matched`` / ``ngram_compared``: positions the n-gram lookup's
-        drafts would have matched of those checked against this step's tokens, whatever ran (the
-        n-gram arms' prior)."""
-        self._ngram_matches.observe(ngram_matched, ngram_compared)
+    def observe(self, issued: Decision, outcome: StepOutcome) -> None:
+        """Feed back one step: the decision this planner issued for it and the step's outcome
+        (:class:`~planner.outcome.StepOutcome`): what actually ran (scored in place of the issued
+        decision when it differs, e.g. while the drafter was still reloading), its wall time,
+        the tokens it committed over all sequences, the sequences it advanced, and the drafter's
+        catch-up / reload times when speculation resumed after a gamma = 0 period. With the
+        prefill tokens and the target forward's size and time, the prefill's share of the wall
+        time is estimated (:mod:`planner.step_costs`) and not charged to the arm. The n-gram
+        match counts (whatever ran) are the n-gram arms' prior."""
+        o = outcome
+        decision = o.ran if o.ran is not None else issued
+        self._ngram_matches.observe(o.ngram_matched, o.ngram_compared)
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
-            ctx = self.bins.context(LoadSignals(batch_size=batch_size))
+            ctx = self.bins.context(LoadSignals(batch_size=o.batch_size))
         cost = self._loss.measure(
-            ctx, self._batch if self._ctx is not None else batch_size, step_wall_s=step_wall_s,
-            tokens_committed=tokens_committed, drafter_rebuild_s=drafter_rebuild_s,
-            prefill_tokens=prefill_tokens, forward_tokens=forward_tokens, forward_s=forward_s)
+            ctx, self._batch if self._ctx is not None else o.batch_size, step_wall_s=o.step_wall_s,
+            tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
+            prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s)
         if cost.loss is not None and decision.arm in self._decisions:
             self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
-            self._switch.observe_off(tokens_committed)
-        if decision.mode == "ar":
+            self._switch.observe_off(o.tokens_committed)
+        if decision.mode is Mode.AR:
             self._memory.observe_ar(cost.wall_s, cost.tokens)
         elif decision.uses_drafter:
-            if decision.mode == "sd" and batch_size > 0 and tokens_committed > 0:
-                self._acceptance.observe_sd(decision.gamma, tokens_committed, batch_size)
-            self._switch.observe_on(drafter_rebuild_s)
-        if drafter_reload_s > 0:
-            self._switch.observe_reload(drafter_reload_s)
+            if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
+                self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)
+            self._switch.observe_on(o.drafter_rebuild_s)
+        if o.drafter_reload_s > 0:
+            self._switch.observe_reload(o.drafter_reload_s)
             self._drafter.reloaded()
 
     def _context_moved(self, what: str) -> None:
@@ -252,7 +254,7 @@ class Planner:
     def _switch_cost(self, a_from: Arm, a_to: Arm) -> float:
         """The bandit's switching cost, in loss units (summed per-token latencies): the
         drafter's catch-up (and reload) when a drafter arm follows one without."""
-        if a_from[0] in DRAFTER_MODES or a_to[0] not in DRAFTER_MODES:
+        if Mode(a_from[0]).uses_drafter or not Mode(a_to[0]).uses_drafter:
             return 0.0
         c = self.estimated_switch_cost_s()
         if c <= 0:

@@ -49,6 +49,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Hashable, Sequence
 
+from backend.mode import Mode
+
 Arm = tuple[str, int]
 Context = Hashable
 
@@ -217,6 +219,7 @@ class ArmPruner:
             self._alpha0, self._demand0 = alpha, demand
 
     def summary(self) -> dict:
-        return {"pruned": {str(c): sorted(f"{m}:{g}" if m != "ar" else "ar" for m, g in st.pruned)
+        return {"pruned": {str(c): sorted(Mode(m).value if Mode(m) is Mode.AR else f"{Mode(m).value}:{g}"
+                                          for m, g in st.pruned)
                            for c, st in self._bins.items() if st.pruned},
                 "restores": self.restores, "pruned_steps": self.pruned_steps, "probes": self.probes}

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
-from planner import Planner  # noqa: E402
+from planner import Planner, StepOutcome  # noqa: E402
 from planner.cost_model import CostProfile  # noqa: E402
 from planner.signals import LoadSignals  # noqa: E402
 
@@ -44,7 +44,7 @@ def main() -> int:
         t0 = time.perf_counter()
         d = planner.decide(signals)
         t1 = time.perf_counter()
-        planner.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
+        planner.observe(d, StepOutcome(step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b)))
         t2 = time.perf_counter()
         decide_s.append(t1 - t0)
         observe_s.append(t2 - t1)

@@ -33,7 +33,7 @@ def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outp
         assert stats.reloads >= 1, "the trickle did not bring the drafter back"
         assert engine.drafter.state == "on_device" and engine.kv.num_blocks == 30
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        assert engine.drafter.num_sequences() == 0
+        assert engine.drafter.stats().num_sequences == 0
     finally:
         engine.close()
 
@@ -106,6 +106,6 @@ def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts
         assert engine.kv.num_blocks == base and engine.memory.preempted_for_reload == 0
         assert [c.output_ids for c in burst + trickle] == ar_outputs
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        assert engine.drafter.num_sequences() == 0
+        assert engine.drafter.stats().num_sequences == 0
     finally:
         engine.close()

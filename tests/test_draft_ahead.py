@@ -53,7 +53,7 @@ def test_a_hit_serves_what_drafting_in_line_would_have(reference_round):
     # the verdict it bet on: every draft accepted, and the target's bonus token is x
     nxt = d.propose([DraftRequest("a", first + [x], 3, GREEDY, len(PROMPT_IDS), ahead=True)])
     assert nxt[0].tokens == fresh_proposal(PROMPT_IDS + first + [x], 3)
-    st = d.ahead_summary()
+    st = d.stats().ahead
     assert (st["rounds"], st["hits"]) == (1, 1) and st["by_accepted"] == {"3": {"rounds": 1, "hits": 1}}
     # and drafting goes on correctly from the state the hit left behind
     after = nxt[0].tokens[:2] + [7]
@@ -74,7 +74,7 @@ def test_a_miss_drafts_in_line_from_the_right_context(reference_round, accepted)
     new = first[:accepted] + [other]
     got = d.propose([DraftRequest("a", new, 3, GREEDY, len(PROMPT_IDS))])
     assert got[0].tokens == fresh_proposal(PROMPT_IDS + new, 3)
-    st = d.ahead_summary()
+    st = d.stats().ahead
     assert (st["rounds"], st["hits"]) == (1, 0) and st["by_accepted"][str(accepted)]["rounds"] == 1
 
 
@@ -84,10 +84,10 @@ def test_an_interrupted_pre_draft_is_dropped_and_drafting_stays_right(reference_
     req = DraftRequest("a", PROMPT_IDS, 3, GREEDY, 0, ahead=True)
     props = d.propose([req])
     d.draft_ahead([req], props, should_stop=lambda: True)    # the next message is already there
-    assert d.ahead_summary()["interrupted"] == 1
+    assert d.stats().ahead["interrupted"] == 1
     got = d.propose([DraftRequest("a", first + [x], 3, GREEDY, len(PROMPT_IDS))])
     assert got[0].tokens == fresh_proposal(PROMPT_IDS + first + [x], 3)
-    assert d.ahead_summary()["rounds"] == 0                   # nothing was pre-drafted to use
+    assert d.stats().ahead["rounds"] == 0                   # nothing was pre-drafted to use
 
 
 def test_a_failing_pre_draft_costs_nothing(reference_round, monkeypatch):
@@ -108,7 +108,7 @@ def test_only_requests_that_ask_are_drafted_ahead():
     first = d.propose([req])
     d.draft_ahead([req], first)
     d.propose([DraftRequest("a", first[0].tokens, 3, GREEDY, len(PROMPT_IDS))])
-    assert d.ahead_summary()["rounds"] == 0
+    assert d.stats().ahead["rounds"] == 0
 
 
 def test_draft_ahead_needs_a_drafter_on_its_own_device():

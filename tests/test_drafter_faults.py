@@ -222,8 +222,8 @@ def test_worker_faults_lose_nothing(mode, phase, prompts, ar_outputs, monkeypatc
         wait_for_new_worker(engine, fault.fired_pid)
         assert engine.memory.agrees()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        engine.drafter.refresh_stats()
-        assert engine.drafter.num_sequences() == 0 and engine.drafter.kv_usage == 0.0
+        held = engine.drafter.stats(refresh=True)
+        assert held.num_sequences == 0 and held.kv_usage == 0.0
         # and it drafts again: one more request with speculation on
         if engine.drafter.offloaded:
             engine.memory.start_reload()
@@ -267,18 +267,18 @@ def test_a_step_that_fails_between_drafting_and_collecting_leaves_the_protocol_i
     """A failure of the step itself (not of one request) while the other sub-batch's proposal
     is in flight: the proposal is still collected, so the next steps run normally."""
     engine = make_engine("psd")
-    run = engine._run
+    run = engine.target_pass.run
     calls = {"n": 0}
     in_flight_at_failure = []
 
-    def fails_once(batch, step):
+    def fails_once(batch, counts):
         calls["n"] += 1
         owed = engine.drafter.drafter._in_flight      # the call id of a proposal not yet collected
         if calls["n"] >= 6 and not in_flight_at_failure and owed is not None:
             in_flight_at_failure.append(owed)
             raise RuntimeError("injected: the step fails after drafting began")
-        return run(batch, step)
-    engine._run = fails_once
+        return run(batch, counts)
+    engine.target_pass.run = fails_once
     try:
         tokens = {i: [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):
@@ -349,7 +349,7 @@ def test_a_drafter_that_cannot_load_is_retried_with_growing_waits_up_to_a_cap(tm
         st = engine.stats()
         assert st.drafter_restart_failures >= 3 and states <= {"failed", "restarting"}
         assert {"failed", "restarting"} <= states
-        assert engine.drafter.restart_delay_s == 0.8
+        assert engine.drafter.backoff.delay_s == 0.8
         assert st.drafter_next_restart_s is None or 0.0 <= st.drafter_next_restart_s <= 0.8
 
         (tmp_path / "moved.safetensors").rename(weights)
@@ -360,9 +360,9 @@ def test_a_drafter_that_cannot_load_is_retried_with_growing_waits_up_to_a_cap(tm
         assert [c.output_ids for c in out] == ar_outputs[:2]
         assert engine.stats().drafted_tokens > before, "the new worker does not draft"
         # The wait starts over once the new drafter has served for as long as the wait before it.
-        time.sleep(max(0.0, engine.drafter._up_since + 0.8 - time.monotonic()))
+        time.sleep(max(0.0, engine.drafter.backoff.up_since + 0.8 - time.monotonic()))
         engine.generate(prompts[:1], GREEDY)
-        assert engine.drafter.restart_delay_s == 0.2, "the wait did not go back to its base"
+        assert engine.drafter.backoff.delay_s == 0.2, "the wait did not go back to its base"
     finally:
         if not weights.exists():
             (tmp_path / "moved.safetensors").rename(weights)

@@ -160,7 +160,7 @@ def test_a_request_the_drafter_cannot_serve_decodes_without_drafts(tmp_path):
     assert got["short"]["ids"] == alone(ar, PROMPTS[0], params)
     assert engine.stats().drafter_request_failures == 1
     assert engine.stats().drafted_tokens > 0, "the short request lost its drafts too"
-    assert engine.drafter.num_sequences() == 0
+    assert engine.drafter.stats().num_sequences == 0
 
 
 # ---- stopping ------------------------------------------------------------------------------------

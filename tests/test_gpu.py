@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.config import MODES, EngineConfig
+from backend.engine.config import EngineConfig
+from backend.mode import CONFIGURED_MODES, Mode
 from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
@@ -96,7 +97,7 @@ def test_greedy_sd_drafter_on_second_gpu(prompts, ar_outputs):
     assert stats.drafted_tokens > 0
 
 
-@pytest.mark.skipif("psd" not in MODES, reason="the engine has no batch-parallel mode")
+@pytest.mark.skipif(Mode.PSD not in CONFIGURED_MODES, reason="the engine has no batch-parallel mode")
 @pytest.mark.parametrize("drafter_device", ["cuda:0", pytest.param("cuda:1", marks=two_gpus)])
 def test_greedy_psd_equals_ar(drafter_device, prompts, ar_outputs):
     out, stats = run(make_engine(gamma=4, mode="psd", drafter_device=drafter_device), prompts, concurrency=8)

@@ -75,7 +75,7 @@ def test_offload_grows_the_pool_and_reload_restores_everything(prompts, ar_outpu
     assert memory.offloads == 1 and memory.reloads == 1
     assert [e.kind for e in memory.events] == ["offload", "reload_start", "reload_done"]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert engine.drafter.kv_usage == 0.0 and engine.drafter.num_sequences() == 0
+    assert engine.drafter.stats().kv_usage == 0.0 and engine.drafter.stats().num_sequences == 0
 
 
 def test_drafter_catches_up_after_reload_and_speculates_again(prompts, ar_outputs):

@@ -72,7 +72,7 @@ def test_a_gap_in_the_tokens_asks_for_a_resync_and_a_restart_rebuilds():
     p = NgramProposer(vocab_size=100)
     ask(p, "s", [1, 2, 3, 1, 2], 0)
     assert ask(p, "s", [9], 7).resync                  # tokens 5..6 were never sent
-    assert p.num_sequences() == 0                      # forgotten, not drafted from a wrong context
+    assert p.stats().num_sequences == 0                      # forgotten, not drafted from a wrong context
     assert ask(p, "s", [1, 2, 3, 1, 2], 0).tokens == [3, 1, 2]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from planner.bandit import ContextualBandit
 from planner.cost_model import CostProfile, expected_tokens_per_call
-from planner import AR, Decision, Planner, PlannerConfig, batch_bin
+from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
 from planner.signals import LoadSignals
 
 
@@ -239,8 +239,8 @@ class FakeEngine:
             if self.offloaded:
                 reload, self.offloaded = self.reload_s, False
             rebuild, self.lag = self.rebuild_per_token * self.lag, 0
-        self.p.observe(d, step_wall_s=wall + rebuild, tokens_committed=int(tokens),
-                       drafter_rebuild_s=rebuild, drafter_reload_s=reload, batch_size=nseq)
+        self.p.observe(d, StepOutcome(step_wall_s=wall + rebuild, tokens_committed=int(tokens),
+                       drafter_rebuild_s=rebuild, drafter_reload_s=reload, batch_size=nseq))
         if d.mode == "ar" and not self.offloaded and self.p.wants_offload(s):
             self.offloaded = True
             self.offloads += 1
@@ -321,7 +321,7 @@ def test_wall_time_without_the_catchup_is_the_arms_loss():
     s = LoadSignals(batch_size=4, now=0.0)
     d = Decision("sd", 2)
     p.decide(s)
-    p.observe(d, step_wall_s=1.0, tokens_committed=10, drafter_rebuild_s=0.9, batch_size=4)
+    p.observe(d, StepOutcome(step_wall_s=1.0, tokens_committed=10, drafter_rebuild_s=0.9, batch_size=4))
     mean, _ = p.bandit.means("b4-7")[("sd", 2)]
     assert mean == pytest.approx(0.1 / 10 * p.bins.norm("b4-7", 4))
 
@@ -397,7 +397,7 @@ def test_waiting_queue_context_bins():
     p = Planner(PlannerConfig(context_bins="batch_waiting"), gamma_max=2, psd_available=False)
     for w in (0, 2, 9):
         d = p.decide(LoadSignals(batch_size=5, waiting=w, now=0.0))
-        p.observe(d, step_wall_s=0.01, tokens_committed=5, batch_size=5)
+        p.observe(d, StepOutcome(step_wall_s=0.01, tokens_committed=5, batch_size=5))
     assert set(p.stats()["per_context"]) == {"b4-7|w0", "b4-7|w1-3", "b4-7|w4-15"}
     q = Planner(PlannerConfig(context_bins=lambda s: s.batch_size > 10), gamma_max=2,
                 psd_available=False)
@@ -445,7 +445,7 @@ def test_timeline_times_count_from_the_first_decision():
     p = Planner(PlannerConfig(timeline_every=1), gamma_max=2, psd_available=False, seed=0)
     for i in range(5):
         d = p.decide(LoadSignals(batch_size=4, now=0.5 * i))     # the first decision at t = 0
-        p.observe(d, step_wall_s=0.01, tokens_committed=4, batch_size=4)
+        p.observe(d, StepOutcome(step_wall_s=0.01, tokens_committed=4, batch_size=4))
     assert [(t, step) for t, step, *_ in p.timeline()] == [(0.5 * i, i + 1) for i in range(5)]
 
 
@@ -498,7 +498,7 @@ def test_decide_handles_a_new_context_bin_almost_every_step():
     for i, b in enumerate(batches):
         d = p.decide(LoadSignals(batch_size=int(b), now=i * 0.01))
         assert d.arm in arms, d
-        p.observe(d, step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b))
+        p.observe(d, StepOutcome(step_wall_s=0.02, tokens_committed=int(b), batch_size=int(b)))
     assert p.steps == len(batches)
 
 
@@ -542,8 +542,8 @@ class KVBoundEngine:
         if self.offloaded:
             wall *= self.offloaded_slowdown
         fed = nseq * (d_ran.gamma + 1)
-        self.p.observe(d_ran, step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
-                       forward_tokens=fed, forward_s=t_verify(nseq, d_ran.gamma + 1))
+        self.p.observe(d_ran, StepOutcome(step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
+                       forward_tokens=fed, forward_s=t_verify(nseq, d_ran.gamma + 1)))
         if not d_ran.speculative and not self.offloaded and self.p.wants_offload(s):
             self.offloaded = True
             self.offloads += 1
@@ -660,8 +660,8 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
         prefill = int(rng.integers(0, 160)) if i % 2 else 0
         d = p.decide(LoadSignals(batch_size=decode_tokens, now=i * 0.01))
         fwd = 0.004 + 2e-4 * (decode_tokens + prefill)
-        p.observe(d, step_wall_s=fwd + 0.001, tokens_committed=decode_tokens, batch_size=decode_tokens,
-                  prefill_tokens=prefill, forward_tokens=decode_tokens + prefill, forward_s=fwd)
+        p.observe(d, StepOutcome(step_wall_s=fwd + 0.001, tokens_committed=decode_tokens, batch_size=decode_tokens,
+                  prefill_tokens=prefill, forward_tokens=decode_tokens + prefill, forward_s=fwd))
     mean, _ = p.bandit.means("b8-15")[("ar", 0)]
     clean = ((0.004 + 2e-4 * decode_tokens + 0.001) / decode_tokens
              * p.bins.norm("b8-15", decode_tokens))
@@ -694,7 +694,7 @@ def test_no_batch_parallel_arm_for_a_single_sequence():
             d = Decision("sd", d.gamma)            # what the engine runs and reports
         wall, _, _ = true_step(d.mode, d.gamma, 1)
         tokens = int(min(rng.geometric(1 - ALPHA) - 1, d.gamma) + 1) if d.speculative else 1
-        p.observe(d, step_wall_s=wall, tokens_committed=tokens, batch_size=1)
+        p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=1))
         ran.append((p.current, d))
     assert not any(asked.mode == "psd" for asked, _ in ran), "picked a PSD arm for one sequence"
     # per-token cost at batch 1: sd:2..4 within 5 % of each other, sd:1 20 % and ar 80 % behind
@@ -750,8 +750,8 @@ def test_ngram_steps_leave_the_drafter_behind_and_turning_it_back_on_costs():
                 ngram_available=True)
     s = LoadSignals(batch_size=4, now=0.0)
     p.decide(s)
-    p.observe(Decision("ngram", 2), step_wall_s=0.01, tokens_committed=12, batch_size=4)
-    p.observe(Decision("ngram", 2), step_wall_s=0.01, tokens_committed=12, batch_size=4)
+    p.observe(Decision("ngram", 2), StepOutcome(step_wall_s=0.01, tokens_committed=12, batch_size=4))
+    p.observe(Decision("ngram", 2), StepOutcome(step_wall_s=0.01, tokens_committed=12, batch_size=4))
     assert p.lag_tokens() == 24                       # the drafter model saw none of them
     assert p.estimated_switch_cost_s() == pytest.approx(24e-3)
     assert p._switch_cost(("ngram", 2), ("sd", 2)) > 0        # its catch-up is a switching cost
@@ -795,8 +795,8 @@ def test_the_planner_picks_ngram_drafts_when_they_would_have_matched():
             modes[d.mode] += 1
             committed = 4 * (d.gamma + 1) if d.mode == "ngram" else 4 * 2
             wall = 0.012 if d.mode == "ngram" else 0.02
-            p.observe(d, step_wall_s=wall, tokens_committed=committed, batch_size=4,
-                      ngram_matched=12 if shadow else 0, ngram_compared=12 if shadow else 0)
+            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=committed, batch_size=4,
+                      ngram_matched=12 if shadow else 0, ngram_compared=12 if shadow else 0))
         return p, modes
     p, modes = run(shadow=True)
     assert p.summary()["ngram_alpha_estimate"] > 0.9

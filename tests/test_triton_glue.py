@@ -173,12 +173,14 @@ class FakePbMetrics:
 
 
 def test_metrics_counters_follow_engine_totals_and_gauges_track_state():
-    from backend.engine.outputs import EngineStats, StepStats
+    from backend.engine.outputs import EngineStats
+    from backend.mode import Mode
+    from backend.step import StepResult
     tm = TritonMetrics(FakePbMetrics, {"model": "m", "version": "1"}, min_update_interval_s=0.0)
     s = EngineStats(num_running=3, num_waiting=1, kv_total_blocks=100, kv_free_blocks=40, kv_usage=0.6,
                     mode="psd", gamma=4, drafter_state="on_device", prompt_tokens=50,
                     generation_tokens=20, drafted_tokens=16, accepted_tokens=12,
-                    last_step=StepStats(mode="psd", t_draft_s=0.01, t_verify_s=0.03, t_step_s=0.032))
+                    last_step=StepResult(mode=Mode.PSD, t_draft_s=0.01, t_verify_s=0.03, t_step_s=0.032))
     tm.update_from_stats(s, force=True)
     s.generation_tokens, s.drafted_tokens, s.accepted_tokens = 30, 24, 16
     tm.update_from_stats(s, force=True)
@@ -211,8 +213,10 @@ def test_metrics_updates_are_throttled_unless_forced():
 
 
 def test_psd_overlap_is_zero_outside_psd():
-    from backend.engine.outputs import EngineStats, StepStats
-    assert psd_overlap(EngineStats(last_step=StepStats(mode="sd", t_draft_s=1, t_verify_s=1, t_step_s=1))) == 0
+    from backend.engine.outputs import EngineStats
+    from backend.mode import Mode
+    from backend.step import StepResult
+    assert psd_overlap(EngineStats(last_step=StepResult(mode=Mode.SD, t_draft_s=1, t_verify_s=1, t_step_s=1))) == 0
 
 
 # ------------------------------------------------------------------------------ launcher

@@ -1,8 +1,9 @@
 """Mode auto: the engine's side of the planner, once per step.
 
 snapshot (the load, the drafter and the memory as the engine sees them) -> decide (the
-planner) -> apply (the mode and gamma the step runs; lend the drafter's memory to the KV pool,
-or take it back) -> observe (after the step: what actually ran, its time, what it committed).
+planner) -> apply (the step's plan: mode and gamma; lend the drafter's memory to the KV pool,
+or take it back) -> observe (after the step: the plan it issued and the step's result: what
+actually ran, its time, what it committed).
 
 The planner depends on these measurements only; it never sees the engine, and the engine reads
 nothing of the planner but its decisions. Signals from outside the engine (a server's metrics
@@ -13,15 +14,17 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from planner import Decision, EngineSignals, LoadSignals, Planner
+from planner import AR, Decision, EngineSignals, LoadSignals, Planner, StepOutcome
 
 from backend.batching.scheduler import Scheduler
+from backend.batching.sequence import Sequence
 from backend.engine.memory import ElasticMemory
-from backend.engine.outputs import StepStats
+from backend.mode import Mode
 from backend.model.kv_cache import PagedKVCache
 from backend.speculation.manager import DrafterManager
 from backend.speculation.ngram import NgramShadow
 from backend.speculation.placement import CpuPlacement
+from backend.step import PLAIN, StepPlan, StepResult
 
 
 class AdaptiveController:
@@ -36,7 +39,7 @@ class AdaptiveController:
                  placement: CpuPlacement | None = None, ngram_shadow: NgramShadow | None = None):
         """`placement`: the CPU placement whose drafter cores serve the target while the drafter
         model is idle (None: the cores stay with the drafter). `ngram_shadow`: with an n-gram
-        proposer beside the drafter model (the planner's "ngram" arms), what its drafts would
+        proposer beside the drafter model (the planner's NGRAM arms), what its drafts would
         have matched, measured on every step."""
         self.ngram_shadow = ngram_shadow
         self.planner = planner
@@ -51,21 +54,23 @@ class AdaptiveController:
         self.signals = EngineSignals(demand_tau_s=planner.config.demand_tau_s)
         self._drafter_paused = False   # the last step drafted nothing: the next drafts catch up
         self._serving: tuple[float, int] | None = None   # the last step's own work and outputs
+        self._issued: Decision = AR    # the planner's decision for the step under way
 
-    def record_arrival(self, max_tokens: int) -> None:
-        self.signals.record_arrivals(1, time.perf_counter(), max_tokens=max_tokens)
+    def record_arrival(self, seq: Sequence) -> None:
+        self.signals.record_arrivals(1, time.perf_counter(), max_tokens=seq.params.max_tokens)
 
-    def record_finish(self, generated: int, max_tokens: int) -> None:
-        self.signals.demand.finished(generated, max_tokens)
+    def record_finish(self, seq: Sequence) -> None:
+        """How much of its budget a request really used."""
+        self.signals.demand.finished(seq.num_output_tokens, seq.params.max_tokens)
 
-    def plan(self) -> tuple[str, int]:
-        """(mode, gamma) for this step, with the drafter's memory moved as the planner asks."""
+    def plan(self) -> StepPlan:
+        """This step's plan, with the drafter's memory moved as the planner asks."""
         signals = self._snapshot()
-        decision = self.planner.decide(signals)
+        decision = self._issued = self.planner.decide(signals)
         mem = self.memory
-        if decision.mode == "ngram":
+        if decision.mode is Mode.NGRAM:
             self._lend_cores()               # n-gram drafts need no drafter model
-            return "ngram", decision.gamma
+            return StepPlan(decision.mode, decision.gamma)
         if decision.gamma > 0:
             self._ar_steps = 0
             if self.placement is not None:
@@ -73,12 +78,12 @@ class AdaptiveController:
             if self.drafter.offloaded and mem is not None:
                 mem.start_reload()          # decode plainly until the weights are back
             if not self.drafter.available:
-                return "ar", 0
-            return decision.mode, decision.gamma
+                return PLAIN
+            return StepPlan(decision.mode, decision.gamma)
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
             mem.offload()
         self._lend_cores()
-        return "ar", 0
+        return PLAIN
 
     def _lend_cores(self) -> None:
         self._ar_steps += 1
@@ -98,27 +103,31 @@ class AdaptiveController:
             kv_usage_at_base=mem.usage_at_base() if mem is not None else None)
         return self.extra_signals(signals) if self.extra_signals is not None else signals
 
-    def observe(self, step: StepStats, gamma: int, reload_s: float | None) -> None:
+    def observe(self, plan: StepPlan, step: StepResult, reload_s: float | None) -> None:
+        """After the step: `plan`, what this controller issued (as the engine ran it), and the
+        step's result."""
         self._observe_serving(step)
         rebuild_s = 0.0
-        if step.drafted and step.mode != "ngram":
+        if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
-                rebuild_s = self.drafter.last_catchup_s
+                rebuild_s = self.drafter.stats().last_catchup_s
             self._drafter_paused = False
         else:
             self._drafter_paused = True
-        # Score what actually ran (the drafter may still have been on its way back).
-        ran = Decision(step.mode, gamma) if step.drafted else Decision("ar", 0)
+        # What actually ran, where it is not what was issued: no drafts verified (the drafter on
+        # its way back, or nothing proposed) is plain decoding.
+        ran = Decision(step.mode, plan.gamma) if step.drafted else AR
         matched, compared = (self.ngram_shadow.observe(self.scheduler.running)
                              if self.ngram_shadow is not None else (0, 0))
-        self.planner.observe(ran, step_wall_s=step.t_cycle_s,
-                             tokens_committed=step.tokens_committed, drafter_rebuild_s=rebuild_s,
-                             drafter_reload_s=reload_s or 0.0, batch_size=step.batch_size,
-                             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
-                             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
-                             ngram_matched=matched, ngram_compared=compared)
+        self.planner.observe(self._issued, StepOutcome(
+            step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
+            ran=ran if ran != self._issued else None, drafter_rebuild_s=rebuild_s,
+            drafter_reload_s=reload_s or 0.0,
+            prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
+            forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
+            ngram_matched=matched, ngram_compared=compared))
 
-    def _observe_serving(self, step: StepStats) -> None:
+    def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its
         scheduling and commit, and the gap from its end to this step's start (its outputs handed
         to the front end, intake, the loop's own work), against the outputs it emitted. A gap

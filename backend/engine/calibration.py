@@ -16,6 +16,7 @@ import torch
 
 from planner.cost_model import CostProfile
 
+from backend.mode import ProposerKind
 from backend.engine.config import ConfigError
 from backend.model.config import ModelConfig
 from backend.model.kv_cache import PagedKVCache
@@ -115,7 +116,7 @@ def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> Co
     longest = config.gamma_max + 1                  # a verify of gamma_max drafts + the bonus token
     tokens = sorted({n for n in (1, 2, 3, 5) if n < longest} | {longest})
     vocab = target.model.config.vocab_size
-    if config.proposer == "ngram":
+    if config.proposer is ProposerKind.NGRAM:
         proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
     else:     # a throw-away in-process drafter, timed where the target runs (a worker's core is alike)
         per_seq = (CONTEXT_TOKENS + 16) // BLOCK + 1
@@ -124,11 +125,9 @@ def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> Co
                                 kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype),
                                 attention=config.attention, compile=config.compile,
                                 max_query_len=config.gamma_max + 1)
-    try:
-        profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
-                                       device=config.device, dtype=dtype, reps=3)
-    finally:
-        proposer.close()
+    # (both proposers live in this process: nothing to stop afterwards)
+    profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
+                                   device=config.device, dtype=dtype, reps=3)
     if lending is not None:
         lending.lend_drafter_cores()
         try:

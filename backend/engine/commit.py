@@ -12,9 +12,13 @@ start of a stop string that is cut off.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
+from backend.batching.scheduler import ScheduledSeq
 from backend.batching.sequence import Sequence
 from backend.engine.outputs import RequestOutput, TokenLogprob
+from backend.step import PassCounts
 
 log = logging.getLogger("nightdraft.engine")
 
@@ -122,3 +126,45 @@ def _advance_grammar(seq: Sequence, token: int) -> str | None:
         log.error("request %s: the grammar refused token %d, which its mask allowed", seq.request_id, token)
         return "error"
     return "stop" if seq.grammar.terminated else None
+
+
+def commit_decided(s: ScheduledSeq, decided, counts: PassCounts, *, kv, eos_token_ids: tuple[int, ...],
+                   max_model_len: int, finish: Callable[[Sequence, str], None],
+                   fail: Callable[[Sequence, str], RequestOutput]) -> RequestOutput | None:
+    """Commit one scheduled sequence's decided tokens (or `fail` it with the error that stopped
+    it; `finish` it where it stops), counting them in the step's `counts`."""
+    seq = s.seq
+    if s.num_new > 1 or not s.completes:   # (asked before num_computed moves on)
+        counts.num_prefill_tokens += s.num_new
+        if seq.num_preemptions:        # recomputing what a preemption threw away
+            counts.num_recompute_tokens += s.num_new
+    seq.num_computed += s.num_new
+    if decided is None:
+        return None
+    if isinstance(decided, Exception):
+        log.error("request %s failed in sampling/verification: %s", seq.request_id, decided)
+        return fail(seq, f"sampling failed: {type(decided).__name__}: {decided}")
+    if seq.first_token_time is None:
+        seq.first_token_time = time.perf_counter()
+    tokens = decided.tokens
+    committed, reason = commit_tokens(seq, tokens, eos_token_ids, max_model_len)
+    # K/V of rejected drafts (and of the last token, the next input) is not kept.
+    seq.num_computed = len(seq) - 1
+    if reason:
+        finish(seq, reason)
+    else:
+        kv.truncate(seq.request_id, seq.num_computed)
+    if s.gamma:
+        seq.drafted += s.gamma
+        seq.accepted += decided.accepted
+        counts.drafted += s.gamma
+        counts.accepted += decided.accepted
+        counts.verified.append((s.gamma, decided.accepted))
+    if s.num_new == 1:            # a decode/verify call (prefill's first token excluded)
+        counts.target_calls += 1
+        counts.decode_tokens += len(tokens)
+    counts.tokens_committed += len(tokens)
+    logprobs = decided.logprobs[:len(committed)] if decided.logprobs is not None else None
+    if logprobs is not None:
+        seq.cumulative_logprob += sum(t.logprob for t in logprobs)
+    return output_of(seq, committed, logprobs=logprobs)

@@ -10,11 +10,10 @@ from typing import Any
 
 from backend.engine.paths import resolve_checkpoint, resolve_local
 from backend.errors import ConfigError
+from backend.mode import CONFIGURED_MODES, Mode, ProposerKind
 
-MODES = ("ar", "sd", "psd", "auto")
 ATTENTION_CHOICES = ("auto", "paged", "sdpa")
 COMPILE_CHOICES = ("auto", "on", "off")
-PROPOSERS = ("drafter", "ngram", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -59,17 +58,17 @@ class EngineConfig:
     max_prompt_bytes: int | None = None
     max_waiting: int = 256
     max_waiting_bytes: int = 64 << 20
-    mode: str | None = None                     # default: "sd" with a drafter, else "ar"
-    # What proposes drafts: "drafter" (the drafter checkpoint), "ngram" (prompt lookup: the
+    mode: Mode | None = None                    # default: SD with a drafter, else AR (a name parses)
+    # What proposes drafts (ProposerKind): DRAFTER (the drafter checkpoint), NGRAM (prompt lookup: the
     # continuation of the latest earlier occurrence of the last n tokens, n in
-    # [ngram_min, ngram_max]; no model, no device, no KV), or "both" (mode auto: the planner
+    # [ngram_min, ngram_max]; no model, no device, no KV), or BOTH (mode auto: the planner
     # picks the drafter model, n-gram drafts or none, per step).
-    proposer: str = "drafter"
+    proposer: ProposerKind = ProposerKind.DRAFTER
     ngram_min: int = 1
     ngram_max: int = 4
     gamma: int = 4
     gamma_max: int = 8
-    # mode "auto": the adaptive planner picks mode and gamma every step.
+    # Mode.AUTO: the adaptive planner picks mode and gamma every step.
     offload: bool = True                        # ... and may move the drafter off the device
     planner: dict | None = None                 # Planner settings (planner/planner.py), e.g.
                                                 # {"offload_after_steps": 50, "kv_pressure": 0.9}
@@ -103,15 +102,20 @@ class EngineConfig:
     compile: str = dataclasses.field(default_factory=lambda: os.environ.get("NIGHTDRAFT_COMPILE", "auto"))
 
     def __post_init__(self) -> None:
-        if self.mode is None:
-            self.mode = "sd" if self.drafter or self.proposer == "ngram" else "ar"
+        try:
+            self.proposer = ProposerKind.parse(self.proposer)
+            if self.mode is None:
+                self.mode = Mode.SD if self.drafter or self.proposer is ProposerKind.NGRAM else Mode.AR
+            self.mode = Mode.parse(self.mode, CONFIGURED_MODES)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.dtype == "auto":
             self.dtype = "bfloat16" if str(self.device).startswith("cuda") else "float32"
         self.validate()
 
     def ngram_only(self) -> "EngineConfig":
         """This configuration's n-gram proposer alone (proposer "both" holds it beside the drafter)."""
-        return dataclasses.replace(self, proposer="ngram", drafter=None, drafter_device=None, mode="sd",
+        return dataclasses.replace(self, proposer=ProposerKind.NGRAM, drafter=None, drafter_device=None, mode=Mode.SD,
                                    draft_ahead=False)
 
     def validate(self) -> None:
@@ -125,22 +129,23 @@ class EngineConfig:
             need(Path(self.tokenizer, "tokenizer.json").is_file(), f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
         if self.drafter is not None:
             need(Path(self.drafter, "config.json").is_file(), f"drafter: no config.json in {self.drafter!r}")
-        need(self.mode in MODES, f"mode: must be one of {MODES}, got {self.mode!r}")
-        need(self.proposer in PROPOSERS, f"proposer: must be one of {PROPOSERS}, got {self.proposer!r}")
-        if self.proposer == "ngram":
-            need(self.drafter is None, "proposer 'ngram' takes no drafter checkpoint")
-            need(self.mode != "psd", "mode 'psd' needs a drafter model on its own device; n-gram "
+        need(self.mode in CONFIGURED_MODES and self.proposer in ProposerKind,
+             f"mode, proposer: {self.mode!r}, {self.proposer!r} are not a mode and a proposer kind")
+        if self.proposer is ProposerKind.NGRAM:
+            need(self.drafter is None, f"proposer {ProposerKind.NGRAM.value!r} takes no drafter checkpoint")
+            need(self.mode is not Mode.PSD, f"mode {Mode.PSD.value!r} needs a drafter model on its own device; n-gram "
                  "proposals cost nothing to overlap")
             need(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max <= 16,
                  "ngram_min, ngram_max: integers with 1 <= ngram_min <= ngram_max <= 16")
         else:
-            need(self.mode == "ar" or self.drafter is not None, f"mode {self.mode!r} needs a drafter checkpoint")
-        if self.proposer == "both":
-            need(self.drafter is not None and self.mode == "auto",
-                 "proposer 'both' (drafter model and n-gram, chosen per step) needs a drafter "
-                 "checkpoint and mode 'auto'")
-        need(self.mode != "psd" or self.drafter_device is not None,
-             "mode 'psd' needs the drafter on its own device: set drafter_device "
+            need(self.mode is Mode.AR or self.drafter is not None,
+                 f"mode {self.mode.value!r} needs a drafter checkpoint")
+        if self.proposer is ProposerKind.BOTH:
+            need(self.drafter is not None and self.mode is Mode.AUTO,
+                 f"proposer {ProposerKind.BOTH.value!r} (drafter model and n-gram, chosen per step) needs "
+                 f"a drafter checkpoint and mode {Mode.AUTO.value!r}")
+        need(self.mode is not Mode.PSD or self.drafter_device is not None,
+             f"mode {Mode.PSD.value!r} needs the drafter on its own device: set drafter_device "
              "(e.g. \"cpu\" for a worker pinned to its own core, or \"cuda:1\")")
         if self.drafter_device is not None:
             need(isinstance(self.drafter_device, str) and (
@@ -159,7 +164,7 @@ class EngineConfig:
         need(isinstance(self.offload, bool), "offload: must be true or false")
         need(isinstance(self.lend_drafter_cores, bool), "lend_drafter_cores: must be true or false")
         need(isinstance(self.draft_ahead, bool), "draft_ahead: must be true or false")
-        need(not self.draft_ahead or (self.drafter_device is not None and self.proposer == "drafter"),
+        need(not self.draft_ahead or (self.drafter_device is not None and self.proposer is ProposerKind.DRAFTER),
              "draft_ahead: needs a drafter model on its own device (set drafter_device); drafting "
              "ahead in line would only delay the step")
         need(self.linear_kernels in ("auto", "mkl"), "linear_kernels: 'auto' or 'mkl'")

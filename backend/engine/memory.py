@@ -109,7 +109,7 @@ class ElasticMemory:
                  freed / 2**20, self.kv.num_blocks)
 
     def start_reload(self) -> None:
-        if not self.drafter.can_reload:     # not offloaded, already coming back, or restarting
+        if self.drafter.state != "offloaded":     # not offloaded, already coming back, or restarting
             return
         if self.kv.num_blocks > self.base_blocks:
             if time.monotonic() < self._retry_at:

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend.mode import Mode
+from backend.step import StepResult
+
 
 @dataclass
 class TokenLogprob:
@@ -37,41 +40,6 @@ class RequestOutput:
 
 
 @dataclass
-class StepStats:
-    """What one engine step did; the planner learns from these."""
-    mode: str = "ar"
-    gamma: int = 0
-    batch_size: int = 0
-    num_prefill_tokens: int = 0
-    num_recompute_tokens: int = 0     # of those, re-fed after a preemption
-    num_forward_tokens: int = 0       # tokens fed to the target's forward (prefill + decode + drafts)
-    num_context_tokens: int = 0       # tokens whose K/V the target's attention read (every context)
-    tokens_committed: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_calls: int = 0
-    # Where the step's time went (t_verify_s spans prepare + forward + decide + commit):
-    t_schedule_s: float = 0.0         # admission, the planner, scheduling
-    t_draft_s: float = 0.0            # drafting in line (PSD: the worker's time, overlapped)
-    t_transport_s: float = 0.0        # PSD: handing the other sub-batch to the worker and back
-    t_verify_s: float = 0.0
-    t_prepare_s: float = 0.0          # the forward's inputs: token lists, layout, tensors
-    t_forward_s: float = 0.0          # the target's forward alone (its launch, on CUDA)
-    t_decide_s: float = 0.0           # sampling and verification of drafts
-    t_commit_s: float = 0.0           # appending tokens, stop rules, detokenizing, outputs
-    t_step_s: float = 0.0
-    t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
-                                      # handling of the outputs included); t_step_s after idling
-    num_outputs: int = 0              # outputs the step emitted (through a server: responses)
-    overlapped: bool = False          # batch-parallel SD drafted the other sub-batch meanwhile
-
-    @property
-    def overlap(self) -> float:
-        """(T_draft + T_verify) / T_step: 1 = no overlap, 2 = perfect overlap."""
-        return (self.t_draft_s + self.t_verify_s) / self.t_step_s if self.t_step_s else 0.0
-
-
-@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -79,7 +47,7 @@ class EngineStats:
     kv_free_blocks: int = 0
     kv_usage: float = 0.0
     drafter_kv_usage: float = 0.0
-    mode: str = "ar"
+    mode: Mode = Mode.AR                   # the plan steps run now (mode auto: the planner's last)
     gamma: int = 0
     # "none" | "on_device" | "offloaded" | "reloading" | "failed" (down, waiting to restart) | "restarting"
     drafter_state: str = "none"
@@ -110,7 +78,7 @@ class EngineStats:
     target_calls: int = 0                  # decode/verify forwards that committed tokens
     decode_tokens: int = 0                 # tokens committed by those calls
     preemptions: int = 0
-    last_step: StepStats = field(default_factory=StepStats)
+    last_step: StepResult = field(default_factory=StepResult)
 
     @property
     def acceptance_rate(self) -> float:

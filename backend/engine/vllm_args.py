@@ -28,6 +28,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.kv_sizing import size_kv_pool
 from backend.engine.paths import resolve_checkpoint
 from backend.errors import ConfigError
+from backend.mode import ProposerKind
 from backend.model.config import ModelConfig
 
 MAPPED, IGNORED, REFUSED = "mapped", "ignored", "refused"
@@ -425,7 +426,7 @@ def _speculation(sc: dict, base_dir: Path, download_dirs: tuple) -> dict:
             lo = hi = 5                      # vLLM's defaults
         lo = _int("speculative_config.prompt_lookup_min", hi if lo is None else lo)
         hi = _int("speculative_config.prompt_lookup_max", lo if hi is None else hi)
-        out.update(proposer="ngram", ngram_min=lo, ngram_max=hi)
+        out.update(proposer=ProposerKind.NGRAM, ngram_min=lo, ngram_max=hi)
     elif method in (None, "draft_model") and model:
         out["drafter"] = str(resolve_checkpoint("speculative_config.model", str(model), base_dir,
                                                 revision=sc.get("revision"), cache_dirs=download_dirs))

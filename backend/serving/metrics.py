@@ -55,6 +55,8 @@ import threading
 import time
 from typing import Any
 
+from backend.mode import STEP_MODES, Mode
+
 log = logging.getLogger("nightdraft.metrics")
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -64,7 +66,7 @@ TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 300.0]
 
-MODES = ("ar", "sd", "psd", "ngram")
+MODES = STEP_MODES
 DRAFTER_STATES = ("none", "on_device", "offloaded", "reloading", "restarting", "failed")
 MODEL_STATES = ("serving", "unhealthy", "draining")
 # Cumulative engine counters exported as they are (EngineStats attribute -> family, help).
@@ -156,7 +158,7 @@ class TritonMetrics:
         metric("gamma", family("nightdraft_spec_decode_gamma", "Speculation length in use (0 = none)", G))
         fam = family("nightdraft_pipeline_mode", "Pipeline mode in use (1 for the current one)", G)
         for m in MODES:
-            metric(f"mode:{m}", fam, {"mode": m})
+            metric(f"mode:{m.value}", fam, {"mode": m.value})
         fam = family("nightdraft_drafter_state", "Where the drafter's weights are (1 for the current state)", G)
         for s in DRAFTER_STATES:
             metric(f"drafter:{s}", fam, {"state": s})
@@ -246,9 +248,9 @@ class TritonMetrics:
         drafted = float(s.drafted_tokens)
         m["acceptance"].set(float(s.accepted_tokens) / drafted if drafted else 0.0)
         m["gamma"].set(float(s.gamma))
-        mode = getattr(s, "mode", "ar")
+        mode = getattr(s, "mode", Mode.AR)
         for md in MODES:
-            m[f"mode:{md}"].set(1.0 if md == mode else 0.0)
+            m[f"mode:{md.value}"].set(1.0 if md == mode else 0.0)
         state = getattr(s, "drafter_state", "none")
         for st in DRAFTER_STATES:
             m[f"drafter:{st}"].set(1.0 if st == state else 0.0)
@@ -262,7 +264,7 @@ def psd_overlap(stats: Any) -> float:
     if direct is not None:
         return float(direct)
     step = getattr(stats, "last_step", None)
-    if step is None or getattr(step, "mode", "") != "psd":
+    if step is None or getattr(step, "mode", None) != Mode.PSD:
         return 0.0
     d, v, t = step.t_draft_s, step.t_verify_s, step.t_step_s
     shorter = min(d, v)

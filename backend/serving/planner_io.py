@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from backend.mode import Mode
 from backend.serving.config import ModelArgs
 
 log = logging.getLogger("nightdraft.triton")
@@ -27,7 +28,7 @@ SUMMARY_FILE = "planner_summary_file"
 SUMMARY_LOG_PREFIX = "planner summary: "
 
 
-def server_signals(margs: ModelArgs, mode: str) -> Any | None:
+def server_signals(margs: ModelArgs, mode: Mode | str) -> Any | None:
     """The scraper of Triton's metrics endpoint, started; None when ``metrics_url`` is unset
     (or the engine does not plan: mode is not auto)."""
     url = margs.param(METRICS_URL)
@@ -35,7 +36,7 @@ def server_signals(margs: ModelArgs, mode: str) -> Any | None:
         return None
     if not url.startswith(("http://", "https://")):
         raise margs.fail(f"parameter {METRICS_URL} must be an http(s) URL, got {url!r}")
-    if mode != "auto":
+    if Mode.parse(mode) is not Mode.AUTO:
         log.info("%s: %s is used by mode auto only; not scraping it in mode %s", margs.name,
                  METRICS_URL, mode)
         return None

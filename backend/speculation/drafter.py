@@ -31,7 +31,8 @@ from backend.sampling.sampler import make_generator, processed_probs
 from backend.sampling.verification import check_drawn, draw_uniforms, sample_rows
 from backend.sampling.params import SamplingParams
 from backend.speculation.draft_ahead import AheadStats, PreDraft
-from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal, common_prefix_len
+from backend.speculation.proposer import (Desynchronised, Done, DraftRequest, Proposal, ProposerStats,
+                                          common_prefix_len)
 
 
 @dataclass
@@ -120,9 +121,6 @@ class Drafter:
         if self.kv is not None:
             self.kv.free(seq_id)
 
-    def kv_usage(self) -> float:
-        return self.kv.usage() if self.kv is not None else 0.0
-
     # -- elastic memory ----------------------------------------------------------------------------
 
     @property
@@ -190,17 +188,11 @@ class Drafter:
         pool.shutdown(wait=False)
         return future
 
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def ahead_summary(self) -> dict:
-        return self.ahead_stats.as_dict()
-
-    def refresh_stats(self) -> None:
-        """(Its stats are always current in process.)"""
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """(Nothing to stop in process.)"""
+    def stats(self) -> ProposerStats:
+        return ProposerStats(last_propose_s=self.last_propose_s, last_catchup_s=self.last_catchup_s,
+                             catchup_tokens=self.num_catchup_tokens, num_sequences=len(self._seqs),
+                             kv_usage=self.kv.usage() if self.kv is not None else 0.0,
+                             ahead=self.ahead_stats.as_dict())
 
     def propose_async(self, requests: list[DraftRequest]) -> Done:
         return Done(requests, self.propose(requests))

@@ -27,10 +27,55 @@ from backend.model.config import ModelConfig
 from backend.model.kv_cache import PagedKVCache
 from backend.speculation.drafter import Drafter
 from backend.speculation.ngram import NgramProposer
-from backend.speculation.proposer import DraftRequest, Proposal, Proposer
+from backend.mode import ProposerKind
+from backend.speculation.proposer import DeviceResident, DraftRequest, Proposal, Proposer, ProposerStats, Remote
 from backend.speculation.worker import DrafterFailed, RemoteDrafter, WorkerSpec
 
 log = logging.getLogger("nightdraft.drafter")
+
+
+class Backoff:
+    """When to try a failed drafter again: `drafter_restart_s` after a failure, doubled for each
+    failure since a drafter last served, at most `drafter_restart_max_s`."""
+
+    def __init__(self, restart_s: float, restart_max_s: float):
+        self.restart_s, self.restart_max_s = restart_s, restart_max_s
+        # Failures (of the drafter, or of an attempt to restart it) since a drafter last served.
+        self.consecutive_failures = 0
+        self.failed_at: float | None = None
+        self.up_since = time.monotonic()    # when the drafter in use came up
+
+    @property
+    def delay_s(self) -> float:
+        doublings = min(max(self.consecutive_failures - 1, 0), 32)
+        return min(self.restart_s * 2 ** doublings, max(self.restart_max_s, self.restart_s))
+
+    def failed(self) -> None:
+        self.consecutive_failures += 1
+        self.failed_at = time.monotonic()
+
+    def served(self) -> None:
+        """The drafter served. The backoff starts over only once it has stayed up as long as the
+        wait that preceded it: a drafter that serves once and dies again (killed every few
+        seconds, out of memory on its second batch) keeps backing off."""
+        if time.monotonic() - self.up_since >= self.delay_s:
+            self.consecutive_failures = 0
+
+    def wait_left_s(self) -> float | None:
+        """Seconds until the next attempt is due (None before any failure)."""
+        if self.failed_at is None:
+            return None
+        return max(0.0, self.failed_at + self.delay_s - time.monotonic())
+
+
+def shares_target_memory(config) -> bool:
+    """Does the drafter share the target's memory? Then offloading it can grow the target's KV
+    pool. In-process it does; a worker on another GPU does not; a CPU worker has cores of its
+    own but shares the host's RAM (one budget) with the target."""
+    dd, td = config.drafter_device, config.device
+    if dd is None or dd == td:
+        return True
+    return dd.startswith("cpu") and td.startswith("cpu")
 
 
 class DrafterManager:
@@ -39,6 +84,7 @@ class DrafterManager:
         self.config = config
         self.cores = cores
         self.remote = config.drafter_device is not None
+        self.colocated = shares_target_memory(config)
         self._vocab_size = vocab_size
         self._kv_cache_bytes = kv_cache_bytes
         self._max_rows = max_rows
@@ -46,13 +92,9 @@ class DrafterManager:
         self.failures = 0
         self.restarts = 0
         self.restart_failures = 0           # restart attempts that did not bring a drafter up
-        # Failures (of the drafter, or of an attempt to restart it) since a drafter last served:
-        # the wait before the next attempt doubles with each.
-        self.consecutive_failures = 0
-        self._up_since = time.monotonic()   # when the drafter in use came up
+        self.backoff = Backoff(config.drafter_restart_s, config.drafter_restart_max_s)
         self.request_failures = 0           # requests the drafter could not serve (isolated)
         self.last_failure: str | None = None
-        self._failed_at: float | None = None
         self._replacement: Proposer | None = None
         self._restarting = False
         self._closed = False
@@ -73,7 +115,7 @@ class DrafterManager:
         """The manager of an engine's proposer: an n-gram one holds nothing; a drafter model must
         share the target's tokenizer, and its KV pool holds as many tokens as the target's
         (unless ``drafter_kv_cache_bytes`` says otherwise)."""
-        if config.proposer == "ngram":
+        if config.proposer is ProposerKind.NGRAM:
             return cls(config, vocab_size=target_config.vocab_size, kv_cache_bytes=0, max_rows=0, dtype=dtype)
         dcfg = ModelConfig.from_pretrained(config.drafter)
         if dcfg.vocab_size != target_config.vocab_size:
@@ -87,7 +129,7 @@ class DrafterManager:
 
     def _build(self, offloaded: bool = False):
         cfg = self.config
-        if cfg.proposer == "ngram":
+        if cfg.proposer is ProposerKind.NGRAM:
             return NgramProposer(self._vocab_size, cfg.ngram_min, cfg.ngram_max, device=cfg.device)
         if not self.remote:
             return Drafter.load(cfg.drafter, device=cfg.device, dtype=self._dtype,
@@ -119,47 +161,36 @@ class DrafterManager:
         return "offloaded" if self.offloaded else "on_device"
 
     @property
-    def restart_delay_s(self) -> float:
-        """The wait before the next restart attempt: `drafter_restart_s`, doubled for each
-        failure since a drafter last served, at most `drafter_restart_max_s`."""
-        cfg = self.config
-        doublings = min(max(self.consecutive_failures - 1, 0), 32)
-        return min(cfg.drafter_restart_s * 2 ** doublings, max(cfg.drafter_restart_max_s, cfg.drafter_restart_s))
-
-    @property
     def next_restart_in_s(self) -> float | None:
         """Seconds until the next restart attempt while the drafter is down and waiting; None
         otherwise."""
-        if self.drafter is not None or self._restarting or self._replacement is not None or self._failed_at is None:
-            return None
-        return max(0.0, self._failed_at + self.restart_delay_s - time.monotonic())
+        return self.backoff.wait_left_s() if self.state == "failed" else None
 
-    def device_bytes(self) -> int:
-        """Bytes the drafter holds on its device now (weights + KV pool); 0 when offloaded."""
+    def stats(self, refresh: bool = False) -> ProposerStats:
+        """The proposer's own report (zeros while there is none). `refresh`: ask a worker now
+        rather than take what its last reply said."""
         d = self.drafter
-        if d is None or self.offloaded:
-            return 0
-        return d.loaded_bytes()
-
-    @property
-    def colocated(self) -> bool:
-        """Does the drafter share the target's memory? Then offloading it can grow the target's
-        KV pool. In-process it does; a worker on another GPU does not; a CPU worker has cores of
-        its own but shares the host's RAM (one budget) with the target."""
-        dd, td = self.config.drafter_device, self.config.device
-        if dd is None or dd == td:
-            return True
-        return dd.startswith("cpu") and td.startswith("cpu")
+        if refresh and isinstance(d, Remote):
+            try:
+                d.refresh_stats()
+            except Exception as e:  # noqa: BLE001 - any failure of the drafter is the drafter's
+                self._failed(e)
+        return self.drafter.stats() if self.drafter is not None else ProposerStats()
 
     def lag_tokens(self, seqs: list[Sequence]) -> int:
         """Tokens of these sequences the drafter has not been sent yet (its catch-up work)."""
         return sum(len(s) - self._synced.get(s.request_id, 0) for s in seqs)
 
-    # -- elastic memory --------------------------------------------------------------------------
+    # -- elastic memory (a drafter model's; an n-gram proposer holds none) -----------------------
+
+    def device_bytes(self) -> int:
+        """Bytes the drafter holds on its device now (weights + KV pool); 0 when offloaded."""
+        d = self.drafter
+        return d.loaded_bytes() if isinstance(d, DeviceResident) and not self.offloaded else 0
 
     def offload(self) -> int:
         """Drafter weights to host memory and its KV pool released; bytes freed on its device."""
-        if self.drafter is None or self.offloaded:
+        if not isinstance(self.drafter, DeviceResident) or self.offloaded:
             return 0
         try:
             freed = self.drafter.offload()
@@ -169,14 +200,9 @@ class DrafterManager:
         self.offloaded = True
         return freed
 
-    @property
-    def can_reload(self) -> bool:
-        """Offloaded, alive and not already on its way back."""
-        return self.drafter is not None and self.offloaded and self._reload is None
-
     def start_reload(self) -> None:
         """Bring the weights back without blocking decoding; `poll_reload` says when."""
-        if not self.can_reload:
+        if self.state != "offloaded":      # not offloaded, already coming back, or down
             return
         try:
             self._reload = self.drafter.reload_async()
@@ -201,61 +227,28 @@ class DrafterManager:
         self._reload = None
         self.offloaded = False
         self.last_reload_s = seconds
-        self._served()
+        self.backoff.served()
         return seconds
-
-    @property
-    def kv_usage(self) -> float:
-        return self.drafter.kv_usage() if self.drafter is not None else 0.0
-
-    @property
-    def last_catchup_s(self) -> float:
-        return self.drafter.last_catchup_s if self.drafter is not None else 0.0
-
-    @property
-    def last_propose_s(self) -> float:
-        return self.drafter.last_propose_s if self.drafter is not None else 0.0
-
-    @property
-    def catchup_tokens(self) -> int:
-        return self.drafter.num_catchup_tokens if self.drafter is not None else 0
-
-    def num_sequences(self) -> int:
-        return self.drafter.num_sequences() if self.drafter is not None else 0
-
-    def ahead_summary(self) -> dict:
-        """The drafter's draft-ahead counters (hit rate by accepted length, seconds hidden)."""
-        return self.drafter.ahead_summary() if self.drafter is not None else {}
-
-    def refresh_stats(self) -> None:
-        if self.drafter is not None:
-            try:
-                self.drafter.refresh_stats()
-            except Exception as e:  # noqa: BLE001
-                self._failed(e)
 
     # -- the protocol, failure-tolerant ----------------------------------------------------------
 
-    def propose(self, wanted: list[tuple[Sequence, int]], ahead: bool = False) -> list[Proposal] | None:
-        """Drafts for (sequence, gamma) pairs, or None when the drafter is unavailable.
-        `ahead`: the drafter may then pre-draft the next round (see ``draft_ahead``)."""
-        return self.collect(self.propose_async(wanted, ahead))
-
     def propose_async(self, wanted: list[tuple[Sequence, int]], ahead: bool = False):
+        """Drafts for (sequence, gamma) pairs on their way (`collect` them), or None when the
+        drafter is unavailable. `ahead`: the drafter may then pre-draft the next round (see
+        ``draft_ahead``)."""
         if not self.available or not wanted:
             return None
-        requests = [self._request(seq, gamma, ahead) for seq, gamma in wanted]
+        requests = []
+        for seq, gamma in wanted:       # each sends what the drafter has not seen of it
+            start = self._synced.get(seq.request_id, 0)
+            self._synced[seq.request_id] = len(seq)
+            requests.append(DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start,
+                                         ahead, seq.num_prompt_tokens))
         try:
             return self.drafter.propose_async(requests)
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
-
-    def _request(self, seq: Sequence, gamma: int, ahead: bool) -> DraftRequest:
-        start = self._synced.get(seq.request_id, 0)
-        self._synced[seq.request_id] = len(seq)
-        return DraftRequest(seq.request_id, seq.token_ids[start:], gamma, seq.params, start, ahead,
-                            seq.num_prompt_tokens)
 
     def collect(self, pending) -> list[Proposal] | None:
         if pending is None or self.drafter is None:
@@ -265,7 +258,7 @@ class DrafterManager:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
             return None
-        self._served()
+        self.backoff.served()
         for req, p in zip(pending.requests, proposals):
             if p.error is not None or p.resync:   # the drafter forgot it: resend it whole next time
                 self._synced.pop(req.seq_id, None)
@@ -284,20 +277,12 @@ class DrafterManager:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
 
-    def _served(self) -> None:
-        """The drafter served. The backoff starts over only once it has stayed up as long as the
-        wait that preceded it: a drafter that serves once and dies again (killed every few
-        seconds, out of memory on its second batch) keeps backing off."""
-        if time.monotonic() - self._up_since >= self.restart_delay_s:
-            self.consecutive_failures = 0
-
     def _failed(self, error: Exception) -> None:
         self.failures += 1
-        self.consecutive_failures += 1
+        self.backoff.failed()
         self.last_failure = f"{type(error).__name__}: {error}"
-        self._failed_at = time.monotonic()
         log.error("drafter failed (%s); decoding without speculation until a new one is up "
-                  "(next attempt in %.1fs)", self.last_failure, self.restart_delay_s)
+                  "(next attempt in %.1fs)", self.last_failure, self.backoff.delay_s)
         dead, self.drafter = self.drafter, None
         if self._reload is not None:
             # The target pool shrank back before the reload began: a replacement may load
@@ -305,11 +290,13 @@ class DrafterManager:
             self.offloaded = False
         self._reload = None
         self._synced.clear()
-        if dead is not None:
+        if isinstance(dead, Remote):
             try:
                 dead.close(timeout_s=1.0)
             except Exception:  # noqa: BLE001 - it is already broken; nothing more to report
                 pass
+
+    # -- restarts --------------------------------------------------------------------------------
 
     def poll(self) -> bool:
         """Called every step: start a replacement after a failure, swap it in once ready.
@@ -320,14 +307,13 @@ class DrafterManager:
             ready, self._replacement = self._replacement, None
         if ready is not None:
             self.drafter = ready
-            self._up_since = time.monotonic()
+            self.backoff.up_since = time.monotonic()
             self.restarts += 1
             log.info("drafter restarted%s; speculation resumes%s",
                      f" (pid {ready.pid})" if getattr(ready, "pid", None) else "",
                      " once its weights are back" if self.offloaded else "")
             return True
-        if (not self._restarting and self._failed_at is not None
-                and time.monotonic() - self._failed_at >= self.restart_delay_s):
+        if not self._restarting and self.backoff.wait_left_s() == 0.0:
             self._restarting = True
             threading.Thread(target=self._restart, args=(self.offloaded,),
                              name="nightdraft-drafter-restart", daemon=True).start()
@@ -339,14 +325,13 @@ class DrafterManager:
             with self._lock:
                 if not self._closed:
                     self._replacement, fresh = fresh, None
-            if fresh is not None:     # the engine closed meanwhile
+            if isinstance(fresh, Remote):     # the engine closed meanwhile
                 fresh.close(timeout_s=1.0)
         except Exception as e:  # noqa: BLE001 - a failed restart is retried later
             self.restart_failures += 1
-            self.consecutive_failures += 1
+            self.backoff.failed()
             self.last_failure = f"restart: {type(e).__name__}: {e}"
-            self._failed_at = time.monotonic()
-            log.error("drafter restart failed (%s); next attempt in %.1fs", e, self.restart_delay_s)
+            log.error("drafter restart failed (%s); next attempt in %.1fs", e, self.backoff.delay_s)
         finally:
             self._restarting = False
 
@@ -356,6 +341,6 @@ class DrafterManager:
             self._closed = True
             spare, self._replacement = self._replacement, None
         for d in (self.drafter, spare):
-            if d is not None:
+            if isinstance(d, Remote):
                 d.close(timeout_s=timeout_s)
         self.drafter = None

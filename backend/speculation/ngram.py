@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.speculation.proposer import Desynchronised, Done, DraftRequest, Proposal, common_prefix_len
+from backend.speculation.proposer import (Desynchronised, Done, DraftRequest, Proposal, ProposerStats,
+                                          common_prefix_len)
 
 
 @dataclass
@@ -49,11 +50,8 @@ class _Index:
 
 
 class NgramProposer:
-    """A :class:`~backend.speculation.proposer.Proposer` with no model, no device, no KV."""
-
-    last_propose_s = 0.0
-    last_catchup_s = 0.0
-    num_catchup_tokens = 0
+    """A :class:`~backend.speculation.proposer.Proposer` with no model, no device, no KV: none
+    of the optional capabilities (it holds no memory to lend, no process to stop)."""
 
     def __init__(self, vocab_size: int, min_n: int = 1, max_n: int = 4, device: str | torch.device = "cpu"):
         if not 1 <= min_n <= max_n:
@@ -62,6 +60,7 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.device = torch.device(device)
         self._seqs: dict[str, _Index] = {}
+        self._last_propose_s = 0.0
 
     def propose_async(self, requests: list[DraftRequest]) -> Done:
         return Done(requests, self.propose(requests))
@@ -82,7 +81,7 @@ class NgramProposer:
                 probs = torch.zeros(len(tokens), self.vocab_size, device=self.device)
                 probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
             out.append(Proposal(tokens, probs))
-        self.last_propose_s = time.perf_counter() - t0
+        self._last_propose_s = time.perf_counter() - t0
         return out
 
     def _sync(self, req: DraftRequest) -> _Index:
@@ -95,34 +94,11 @@ class NgramProposer:
         ix.extend(req.new_tokens)
         return ix
 
-    # ---- the rest of the Proposer interface: nothing to hold, move or stop
-
     def free(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
 
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
-    def ahead_summary(self) -> dict:
-        return {}
-
-    def kv_usage(self) -> float:
-        return 0.0
-
-    def refresh_stats(self) -> None:
-        pass
-
-    def loaded_bytes(self) -> int:
-        return 0
-
-    def offload(self) -> int:
-        return 0
-
-    def reload_async(self):
-        raise RuntimeError("an n-gram proposer holds no weights to reload")
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        pass
+    def stats(self) -> ProposerStats:
+        return ProposerStats(last_propose_s=self._last_propose_s, num_sequences=len(self._seqs))
 
 
 class NgramShadow:

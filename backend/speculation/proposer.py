@@ -1,6 +1,9 @@
-"""One interface for whatever proposes drafts: the in-process drafter and the drafter worker on
-its own device both implement :class:`Proposer`, so the manager and the strategies above them
-never ask which one they hold.
+"""One interface for whatever proposes drafts: the in-process drafter, the drafter worker on its
+own device and the n-gram proposer all implement :class:`Proposer` (propose, free, stats), so the
+manager and the strategies above them never ask which one they hold. What only some can do is a
+capability of its own, which the manager asks for before using it: :class:`DeviceResident` (a
+drafter model's device memory, lent and taken back) and :class:`Remote` (a process to refresh
+stats from and to stop).
 
 The protocol is deliberately narrow so that a proposer can live in another process or on another
 device: each request carries, per sequence, only the tokens committed since its previous request
@@ -9,8 +12,8 @@ and where they start; the proposer keeps its own copy of every sequence, and say
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -69,18 +72,30 @@ class Done:
         return self._proposals
 
 
+@dataclass(frozen=True)
+class ProposerStats:
+    """What a proposer reports of itself, in one reading."""
+    last_propose_s: float = 0.0    # time the last proposal took (on the proposer's device)
+    last_catchup_s: float = 0.0    # of it, the catch-up forward for tokens it had not seen
+    catchup_tokens: int = 0        # tokens re-fed to rebuild its KV cache (the switching cost)
+    num_sequences: int = 0         # sequences it holds
+    kv_usage: float = 0.0          # of its KV pool (0 for a proposer without one)
+    ahead: dict = field(default_factory=dict)   # draft-ahead counters (AheadStats.as_dict); {} if none
+
+
+@runtime_checkable
 class Proposer(Protocol):
-    last_propose_s: float          # time the last proposal took (on the proposer's device)
-    last_catchup_s: float          # of it, the catch-up forward for tokens it had not seen
-    num_catchup_tokens: int        # tokens re-fed to rebuild its KV cache (the switching cost)
+    """What every proposer does: propose, forget a sequence, report."""
 
     def propose_async(self, requests: list[DraftRequest]) -> Pending: ...
     def free(self, seq_id: str) -> None: ...
-    def num_sequences(self) -> int: ...
-    def ahead_summary(self) -> dict:
-        """Draft-ahead counters (``AheadStats.as_dict``); {} for a proposer that never drafts ahead."""
-    def kv_usage(self) -> float: ...
-    def refresh_stats(self) -> None: ...
+    def stats(self) -> ProposerStats: ...
+
+
+@runtime_checkable
+class DeviceResident(Protocol):
+    """A proposer whose weights and KV pool hold device memory, which it can lend and take back."""
+
     def loaded_bytes(self) -> int:
         """Bytes it holds on its device with its weights there (weights + KV pool)."""
     def offload(self) -> int:
@@ -88,4 +103,12 @@ class Proposer(Protocol):
     def reload_async(self):
         """Weights back; a future whose ``done()`` never blocks and ``result()`` is the seconds
         the reload took."""
+
+
+@runtime_checkable
+class Remote(Protocol):
+    """A proposer in a process of its own: its stats arrive with its replies (or on asking),
+    and it has a process to stop."""
+
+    def refresh_stats(self) -> None: ...
     def close(self, timeout_s: float = 5.0) -> None: ...

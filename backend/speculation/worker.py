@@ -25,13 +25,13 @@ import select
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from multiprocessing.reduction import ForkingPickler
 
 import torch
 
 from backend.speculation.placement import pin_worker
-from backend.speculation.proposer import DraftRequest, Proposal
+from backend.speculation.proposer import DraftRequest, Proposal, ProposerStats
 
 log = logging.getLogger("nightdraft.drafter_worker")
 
@@ -63,6 +63,29 @@ class WorkerSpec:
             return self.probs_transport
         return "shared_buffer" if self.device.startswith("cpu") else "tensor"
 
+
+@dataclass
+class WireProposal:
+    """One proposal as it crosses the pipe: its probabilities are a tensor (CUDA IPC, or shared
+    memory when the buffer is full), an offset into the shared buffer, or -1 (none: greedy)."""
+    tokens: list[int]
+    probs: torch.Tensor | int
+    error: str | None = None
+    resync: bool = False
+
+
+@dataclass
+class ProposeReply:
+    """The worker's answer to a `propose`."""
+    call_id: int
+    proposals: list[WireProposal]
+    seconds: float                 # the worker's time for the proposal
+    stats: ProposerStats = field(default_factory=ProposerStats)   # ahead: {} until a pre-draft met a verdict
+
+
+def _worker_stats(drafter) -> ProposerStats:
+    st = drafter.stats()
+    return st if st.ahead.get("rounds") or st.ahead.get("interrupted") else replace(st, ahead={})
 
 
 
@@ -99,24 +122,19 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
             t0 = time.perf_counter()
             proposals = drafter.propose(requests)
             offset = 0
-            replies = []
+            wire = []
             for p in proposals:
-                if p.probs is None:
-                    replies.append((p.tokens, -1, p.error, p.resync))
-                    continue
-                rows = p.probs.shape[0]
-                if probs_buffer is None or offset + rows > capacity:
-                    # The tensor itself: a CUDA IPC handle, or (CPU, buffer full) shared memory.
-                    replies.append((p.tokens, p.probs, p.error, p.resync))
-                    continue
-                probs_buffer[offset:offset + rows].copy_(p.probs)
-                replies.append((p.tokens, offset, p.error, p.resync))
-                offset += rows
-            conn.send(("proposals", call_id, replies, time.perf_counter() - t0,
-                       drafter.kv_usage(), drafter.num_sequences(), drafter.num_catchup_tokens,
-                       drafter.last_catchup_s,
-                       drafter.ahead_stats.as_dict() if drafter.ahead_stats.rounds or drafter.ahead_stats.interrupted
-                       else None))
+                where: torch.Tensor | int = -1
+                if p.probs is not None:
+                    rows = p.probs.shape[0]
+                    if probs_buffer is None or offset + rows > capacity:
+                        # The tensor itself: a CUDA IPC handle, or (CPU, buffer full) shared memory.
+                        where = p.probs
+                    else:
+                        probs_buffer[offset:offset + rows].copy_(p.probs)
+                        where, offset = offset, offset + rows
+                wire.append(WireProposal(p.tokens, where, p.error, p.resync))
+            conn.send(("proposals", ProposeReply(call_id, wire, time.perf_counter() - t0, _worker_stats(drafter))))
             if any(r.ahead for r in requests):
                 # While the target verifies: the next round, until the next message comes.
                 drafter.draft_ahead(requests, proposals, should_stop=engine_waits)
@@ -130,7 +148,7 @@ def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> N
             drafter.reload()
             conn.send(("reloaded", time.perf_counter() - t0))
         elif kind == "ping":
-            conn.send(("pong", drafter.kv_usage(), drafter.num_sequences()))
+            conn.send(("pong", _worker_stats(drafter)))
         elif kind == "shutdown":
             conn.send(("bye",))
             return
@@ -199,12 +217,7 @@ class RemoteDrafter:
         self._in_flight: int | None = None     # call id of the reply owed; -1: a reload's
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightdraft-drafter-send")
         self._pending_frees: list[str] = []
-        self._num_sequences = 0
-        self._kv_usage = 0.0
-        self.last_propose_s = 0.0
-        self.num_catchup_tokens = 0
-        self.last_catchup_s = 0.0
-        self.ahead_stats: dict = {}        # the worker's draft-ahead counters (AheadStats.as_dict)
+        self._stats = ProposerStats()      # as the worker's last reply had them
         self.pid = None
         try:
             reply = self._recv(start_timeout_s)
@@ -261,14 +274,8 @@ class RemoteDrafter:
         if self._in_flight is None:
             self._flush_frees()
 
-    def num_sequences(self) -> int:
-        return self._num_sequences
-
-    def ahead_summary(self) -> dict:
-        return dict(self.ahead_stats)
-
-    def kv_usage(self) -> float:
-        return self._kv_usage
+    def stats(self) -> ProposerStats:
+        return self._stats
 
     def loaded_bytes(self) -> int:
         return self._loaded_bytes
@@ -299,7 +306,8 @@ class RemoteDrafter:
             return
         self._flush_frees()
         self._send(("ping",))
-        _, self._kv_usage, self._num_sequences = self._expect("pong", self.timeout_s)
+        fresh = self._expect("pong", self.timeout_s)[1]
+        self._stats = replace(self._stats, kv_usage=fresh.kv_usage, num_sequences=fresh.num_sequences)
 
     def kill(self) -> None:
         """For failure tests: the worker dies as if it crashed."""
@@ -364,16 +372,16 @@ class RemoteDrafter:
             reply = self._expect("proposals", self.timeout_s)
         finally:
             self._in_flight = None
-        _, got_id, replies, elapsed, kv_usage, num_seqs, catchup, catchup_s, ahead = reply
-        if got_id != call_id:
-            raise DrafterFailed(f"drafter replied to call {got_id}, expected {call_id}")
-        self.last_propose_s, self._kv_usage, self._num_sequences = elapsed, kv_usage, num_seqs
-        self.num_catchup_tokens, self.last_catchup_s = catchup, catchup_s
-        if ahead is not None:           # sent once a pre-draft has met a verdict
-            self.ahead_stats = ahead
+        answer: ProposeReply = reply[1]
+        if answer.call_id != call_id:
+            raise DrafterFailed(f"drafter replied to call {answer.call_id}, expected {call_id}")
+        # (draft-ahead counters come once a pre-draft has met a verdict; until then the last kept)
+        self._stats = replace(answer.stats, last_propose_s=answer.seconds,
+                              ahead=answer.stats.ahead or self._stats.ahead)
         self._flush_frees()
         out = []
-        for tokens, where, error, resync in replies:
+        for wp in answer.proposals:
+            tokens, where = wp.tokens, wp.probs
             if isinstance(where, torch.Tensor):
                 # A CUDA IPC tensor is the worker's memory: copy it so the worker may reuse it.
                 probs = where.clone() if where.is_cuda else where
@@ -383,5 +391,5 @@ class RemoteDrafter:
                 probs = self._probs[where:where + len(tokens)].clone()
             else:
                 probs = None
-            out.append(Proposal(tokens, probs, error, resync))
+            out.append(Proposal(tokens, probs, wp.error, wp.resync))
         return out

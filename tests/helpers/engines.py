@@ -48,7 +48,7 @@ def assert_no_leaks(engine) -> None:
     assert not engine.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "target KV blocks leaked"
     if engine.drafter is not None:
-        engine.drafter.refresh_stats()
-        assert engine.drafter.num_sequences() == 0, "drafter still holds sequences"
-        assert engine.drafter.kv_usage == 0.0, "drafter KV blocks leaked"
+        held = engine.drafter.stats(refresh=True)
+        assert held.num_sequences == 0, "drafter still holds sequences"
+        assert held.kv_usage == 0.0, "drafter KV blocks leaked"
     assert not any(engine.sub_batches.members), "a finished request is still in a sub-batch"

@@ -10,6 +10,7 @@ import numpy as np
 
 from planner import Planner
 from planner.cost_model import CostProfile, expected_tokens_per_call, responses_per_step
+from planner.outcome import StepOutcome
 from planner.signals import LoadSignals
 
 
@@ -95,8 +96,8 @@ class ServerSim:
         else:
             self.off_steps += 1
         wall += rebuild
-        self.p.observe(d, step_wall_s=wall, tokens_committed=tokens, batch_size=responses,
-                       drafter_rebuild_s=rebuild)
+        self.p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=responses,
+                                      drafter_rebuild_s=rebuild))
         if self.report_serving:
             outside = c.outside(responses) * max(1.0 + self.noise * self.rng.standard_normal(), 0.2)
             self.p.observe_serving(outside, responses)
