@@ -51,13 +51,16 @@ def drive_perf_analyzer(grpc_url: str, conc: int, args) -> float:
     time it ran (the caller reads the tokens from the server's counters around it)."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "perf_analyzer.sh"
     out = Path(args.json).with_suffix(f".pa-c{conc}.json")
+    out.unlink(missing_ok=True)     # perf_analyzer refuses to overwrite its export (each run keeps the last)
     cmd = [str(script), "-u", grpc_url, "-m", MODEL, "-c", str(conc), "-n", str(args.max_tokens),
            "-t", str(args.temperature), "-o", str(out), "--",
            "--measurement-interval", str(int(1000 * args.pa_window_s)), "--stability-percentage", "999"]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
     if res.returncode != 0:
-        raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[-1500:]}")
+        # perf_analyzer prints the reason first, then its whole usage text
+        raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[:1500]}\n"
+                           f"... {res.stdout[-1000:]}")
     return time.perf_counter() - t0
 
 
