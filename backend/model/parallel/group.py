@@ -86,17 +86,6 @@ class Channel:
         self.group = control
         self._buf = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
 
-    def death_report(self, wait_s: float = 0.0) -> str | None:
-        """"rank N died (exit code C)" for ranks that are gone (waiting up to `wait_s` for one
-        whose connection just closed to be reaped), else None."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
-            if dead or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        return "; ".join(f"rank {rank} died (exit code {code})" for rank, code in dead) or None
-
     def send(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         n = len(data)
