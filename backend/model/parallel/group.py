@@ -177,7 +177,7 @@ def rank_main(rank: int, spec: RankSpec) -> None:
         raise
     store.set(f"ready/{rank}", "ok")
     channel = Channel(control)
-    scratch: tuple[int, torch.Tensor] | None = None     # (key, storage) of a throw-away pool
+    scratch: tuple[tuple[int, int], torch.Tensor] | None = None     # ((key, blocks), storage) of a throw-away pool
     no_rows = torch.empty(0, dtype=torch.long, device=device)
     with torch.inference_mode():
         while True:
@@ -188,15 +188,17 @@ def rank_main(rank: int, spec: RankSpec) -> None:
                 if key == 0:
                     kv = pool.kv
                 else:
-                    if scratch is None or scratch[0] != key:
+                    if scratch is None or scratch[0] != (key, num_blocks):
                         scratch = None
-                        scratch = (key, pool.new_storage(num_blocks, zero_from=0))
+                        scratch = ((key, num_blocks), pool.new_storage(num_blocks, zero_from=0))
                     kv = scratch[1]
                 model(ids.to(device), on_device(meta, device), kv, no_rows)
             elif kind == "resize":
                 _, num_blocks, moves = msg
                 try:
-                    new = pool.new_storage(num_blocks)
+                    # zero what lies beyond this rank's storage (its allocator's count is never
+                    # updated: the driver allocates), as the driver zeroes beyond its pool
+                    new = pool.new_storage(num_blocks, zero_from=pool.kv.shape[2])
                 except (RuntimeError, MemoryError):
                     new = None
                 if channel.agree(new is not None):
