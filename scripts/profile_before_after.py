@@ -61,7 +61,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "profile-before-after"))
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()     # the earlier commit runs in its own tree
     out.mkdir(parents=True, exist_ok=True)
     tree = Path(os.environ.get("TMPDIR", "/tmp")) / f"nightdraft-{args.before[:12]}"
     if not tree.exists():

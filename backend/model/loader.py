@@ -62,8 +62,9 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _read_checkpoint(path: Path, config: ModelConfig, device, dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors (HF names), validated against ``config`` and converted."""
+def checkpoint_tensors(path: Path, config: ModelConfig):
+    """(name, slice) of every tensor ``config`` expects (HF names), file by file, names and shapes
+    validated; a safetensors slice reads nothing until it is indexed (``part[:]`` is the whole)."""
     files = _checkpoint_files(path)
     expected = hf_tensor_shapes(config)
     present = {n for n in files if not n.endswith(_IGNORED_SUFFIXES)}
@@ -79,21 +80,24 @@ def _read_checkpoint(path: Path, config: ModelConfig, device, dtype) -> dict[str
             parts.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(parts))
 
-    tensors: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for fname, names in by_file.items():
         with safe_open(fname, framework="pt") as f:
             for name in names:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != expected[name]:
+                part = f.get_slice(name)
+                if tuple(part.get_shape()) != expected[name]:
                     raise ValueError(
-                        f"tensor {name} in {fname.name} has shape {tuple(t.shape)}, "
+                        f"tensor {name} in {fname.name} has shape {tuple(part.get_shape())}, "
                         f"config expects {expected[name]}"
                     )
-                tensors[name] = t.to(device=device, dtype=dtype)
-    return tensors
+                yield name, part
+
+
+def _read_checkpoint(path: Path, config: ModelConfig, device, dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (HF names), validated against ``config`` and converted."""
+    return {name: part[:].to(device=device, dtype=dtype) for name, part in checkpoint_tensors(path, config)}
 
 
 def _interleave_rope_dims(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -22,14 +22,13 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from backend.errors import ConfigError
 from backend.model.attention import get_backend
 from backend.model.config import ModelConfig
 from backend.model.llama import CausalLM
 from backend.model.linear import Linear
-from backend.model.loader import _IGNORED_SUFFIXES, _checkpoint_files, _to_model_state, hf_tensor_shapes
+from backend.model.loader import _to_model_state, checkpoint_tensors
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
@@ -66,37 +65,23 @@ def _slices(config: ModelConfig, rank: int, size: int) -> dict[str, tuple[int, s
 
 def read_shard(path: Path, config: ModelConfig, rank: int, size: int, device, dtype) -> dict[str, torch.Tensor]:
     """Rank `rank`'s slice of every checkpoint tensor (HF names), reading nothing else."""
-    files = _checkpoint_files(path)
-    expected = hf_tensor_shapes(config)
-    missing = sorted(expected.keys() - {n for n in files if not n.endswith(_IGNORED_SUFFIXES)})
-    if missing:
-        raise ValueError(f"checkpoint {path} does not match its config: missing tensors {missing[:8]}")
     slices = _slices(config, rank, size)
     head = rank == 0 or config.tie_word_embeddings
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    for fname, names in by_file.items():
-        with safe_open(fname, framework="pt") as f:
-            for name in names:
-                if name == "lm_head.weight" and not head:
-                    out[name] = torch.empty(0, config.hidden_size, device=device, dtype=dtype)
-                    continue
-                part = f.get_slice(name)
-                if tuple(part.get_shape()) != expected[name]:
-                    raise ValueError(f"tensor {name} in {fname.name} has shape {tuple(part.get_shape())}, "
-                                     f"config expects {expected[name]}")
-                suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-                if suffix in slices:
-                    dim, sl = slices[suffix]
-                    t = part[sl] if dim == 0 else part[:, sl]
-                elif suffix == "self_attn.o_proj.bias":
-                    # Added once after the all-reduce's sum: the driver's copy alone.
-                    t = part[:] if rank == 0 else torch.zeros(expected[name])
-                else:
-                    t = part[:]
-                out[name] = t.to(device=device, dtype=dtype)
+    for name, part in checkpoint_tensors(path, config):
+        if name == "lm_head.weight" and not head:
+            out[name] = torch.empty(0, config.hidden_size, device=device, dtype=dtype)
+            continue
+        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        if suffix in slices:
+            dim, sl = slices[suffix]
+            t = part[sl] if dim == 0 else part[:, sl]
+        elif suffix == "self_attn.o_proj.bias":
+            # Added once after the all-reduce's sum: the driver's copy alone.
+            t = part[:] if rank == 0 else torch.zeros(part.get_shape())
+        else:
+            t = part[:]
+        out[name] = t.to(device=device, dtype=dtype)
     return out
 
 
