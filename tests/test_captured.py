@@ -193,3 +193,30 @@ def test_the_server_compiles_its_steps_and_decodes_what_plain_eager_decoding_doe
     assert "compiled the target's decode and verification step" in log, log[-3000:]
     assert "could not compile" not in log
     assert texts == [tokenizer.decode(ids) for ids in plain_eager_tokens[:3]]
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("role", ["drafter", "target"])
+def test_a_pool_resized_inside_a_step_is_served_without_compiling_again(request, role):
+    """Elastic memory resizes the target's pool from inside the engine's step (inference mode),
+    while the first pool was made outside it. The compiled step guards on its inputs' dispatch
+    keys, so a pool of the other kind would compile the whole graph again on the next forward
+    (measured: 10-15 s on this CPU, a stall every running request waits through)."""
+    model = request.getfixturevalue(f"{role}_model")
+    step, _ = request.getfixturevalue(f"compiled_{role}")
+    kv = PagedKVCache.for_model(model.config, 4 << 20, block_size=16)
+    runner = ModelRunner(model, kv, step)
+    assert kv.ensure_capacity("r", 21)
+    runner.forward(["r"], [20], [1], [5], [0])
+    compiled = _graphs_compiled()
+    for blocks in (2 * kv.num_blocks, kv.num_blocks // 2):      # an offload's growth, a reload's shrink
+        with torch.inference_mode():
+            kv.resize(blocks)
+            runner.forward(["r"], [20], [1], [5], [0])
+            runner.forward(["r"], [20], [1], [5], [0])
+    kv.free("r")
+    assert runner.captured_forwards == 5 and runner.eager_forwards == 0
+    assert _graphs_compiled() == compiled

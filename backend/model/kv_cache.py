@@ -158,11 +158,16 @@ class PagedKVCache:
         if zero_from is None:
             zero_from = self.num_blocks
         shape = (self.num_layers, 2, num_blocks, self.num_kv_heads, self.head_dim, self._block_size)
-        if zero_from <= 0:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        kv = torch.empty(shape, dtype=self.dtype, device=self.device)
-        kv[:, :, zero_from:].zero_()
-        return kv
+        # Always a normal tensor, never an inference tensor, whichever mode the caller is in (a
+        # resize runs inside the engine's inference-mode step, the first pool outside it): a
+        # captured step guards on its inputs' dispatch keys, and a pool of the other kind would
+        # make it compile its whole graph again (tens of seconds on a CPU) on the next forward.
+        with torch.inference_mode(False):
+            if zero_from <= 0:
+                return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+            kv[:, :, zero_from:].zero_()
+            return kv
 
     def _layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = self.kv.shape[2]
