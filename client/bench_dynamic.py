@@ -129,6 +129,7 @@ def measure_capacity(args, prompts: list[str]) -> float:
 
 def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
     """Real time: each request is added when its arrival time comes; the engine steps meanwhile."""
+    from backend.errors import ServerBusy
     from backend.sampling.params import SamplingParams
     records = [Record(a.phase, a.t) for a in arrivals]
     timeline, last_state = [], None
@@ -139,7 +140,10 @@ def replay(engine, arrivals: list[Arrival], bounds, args) -> RunResult:
         while nxt < len(arrivals) and arrivals[nxt].t <= now:
             params = SamplingParams(max_tokens=arrivals[nxt].max_tokens, temperature=args.temperature,
                                     ignore_eos=True, seed=args.seed + nxt)
-            engine.add_request(str(nxt), arrivals[nxt].prompt, params)
+            try:
+                engine.add_request(str(nxt), arrivals[nxt].prompt, params)
+            except ServerBusy as e:      # the queue is full: refused, as the server would refuse it
+                records[nxt].error = str(e)
             nxt += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(arrivals[nxt].t - now, 0.05)) if nxt < len(arrivals) else 0)
