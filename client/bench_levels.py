@@ -111,16 +111,38 @@ def measure_in_process(args, names: list[str], levels: list[int]) -> list[dict]:
             for rep in range(args.repeats):
                 for name in _rotated(names, rep):
                     engine, placement = engines[name]
+                    before = _arm_counts(engine)
                     r = run_level(engine, placement, prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
                     runs.append({"path": "in-process", "config": name, "concurrency": level, "repeat": rep,
                                  "tokens_per_s": r["tokens_per_s"], "mean_latency_s": r["mean_latency_s"]})
+                    if engine.planner is not None:
+                        runs[-1]["arm_steps"] = _steps_since(before, _arm_counts(engine))
                     _progress(runs[-1])
     finally:
         for engine, _ in engines.values():
             engine.close()
         os.sched_setaffinity(0, cores)
     return runs
+
+
+def _arm_counts(engine) -> dict[str, int]:
+    """The steps the planner has given each arm ("ar", "sd:3", ...) so far; {} without one."""
+    return dict(engine.planner.summary()["arm_counts"]) if engine.planner is not None else {}
+
+
+def _steps_since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {arm: n - before.get(arm, 0) for arm, n in after.items() if n > before.get(arm, 0)}
+
+
+def arm_shares(runs: list[dict]) -> dict[str, float]:
+    """Each arm's share of the steps over `runs` (auto's, in process): which arms it played."""
+    total: dict[str, int] = {}
+    for r in runs:
+        for arm, n in r.get("arm_steps", {}).items():
+            total[arm] = total.get(arm, 0) + n
+    steps = sum(total.values())
+    return {arm: n / steps for arm, n in sorted(total.items(), key=lambda kv: -kv[1])} if steps else {}
 
 
 def measure_on_server(args, names: list[str], levels: list[int]) -> list[dict]:
@@ -185,6 +207,9 @@ def summarise(runs: list[dict]) -> list[dict]:
                 row["auto_over_best_fixed_by_repeat"] = _paired(mine, best)
             if ADAPTIVE in tok and "ar-2dev" in tok:
                 row["auto_over_ar_all_cores"] = tok[ADAPTIVE] / tok["ar-2dev"]
+            shares = arm_shares([r for r in mine if r["config"] == ADAPTIVE])
+            if shares:
+                row["auto_arm_shares"] = shares
             rows.append(row)
     return rows
 
@@ -204,8 +229,13 @@ def format_table(rows: list[dict]) -> str:
         cells = " ".join(f"{r['tokens_per_s'][n]:8.1f}" if n in r["tokens_per_s"] else f"{'-':>8}" for n in names)
         ratio = lambda k: f"{r[k]:.2f}" if k in r else "-"
         lines.append(f"{r['path']:<10} {r['concurrency']:>4} {cells} {r.get('best_fixed', '-'):>10} "
-                     f"{ratio('auto_over_best_fixed'):>9} {ratio('auto_over_ar_all_cores'):>8}")
+                     f"{ratio('auto_over_best_fixed'):>9} {ratio('auto_over_ar_all_cores'):>8}"
+                     + (f"  auto played {_top_arms(r['auto_arm_shares'])}" if "auto_arm_shares" in r else ""))
     return "\n".join(lines)
+
+
+def _top_arms(shares: dict[str, float], n: int = 3) -> str:
+    return " ".join(f"{arm}:{share:.0%}" for arm, share in list(shares.items())[:n])
 
 
 def draw(rows: list[dict], path: str) -> None:

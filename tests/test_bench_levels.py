@@ -40,6 +40,16 @@ def test_rows_are_kept_apart_by_path_and_concurrency():
     assert "auto/best" in table and "server" in table and "0.80" in table and "1.20" in table
 
 
+def test_auto_arm_shares_add_up_the_steps_of_its_repeats():
+    runs = [_run("in-process", "sd", 4, 0, 10.0),
+            _run("in-process", "auto", 4, 0, 9.0) | {"arm_steps": {"ar": 30, "sd:4": 10}},
+            _run("in-process", "auto", 4, 1, 9.5) | {"arm_steps": {"ar": 10, "psd:2": 50}}]
+    (row,) = summarise(runs)
+    assert row["auto_arm_shares"] == pytest.approx({"psd:2": 0.5, "ar": 0.4, "sd:4": 0.1})
+    assert list(row["auto_arm_shares"]) == ["psd:2", "ar", "sd:4"]        # the most played first
+    assert "auto played psd:2:50% ar:40% sd:4:10%" in format_table([row])
+
+
 @pytest.mark.slow
 def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
     from client.launcher import LauncherError, find_tritonserver
@@ -64,5 +74,7 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
         best = max(("ar-2dev", "sd"), key=tok.get)
         assert row["best_fixed"] == best
         assert row["auto_over_best_fixed"] == pytest.approx(tok["auto"] / tok[best])
+    (auto_row,) = [r for r in report["rows"] if r["path"] == "in-process"]
+    assert sum(auto_row["auto_arm_shares"].values()) == pytest.approx(1.0)   # its steps were counted
     assert "auto/best" in proc.stdout
     assert out.with_suffix(".png").is_file()
