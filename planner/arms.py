@@ -51,6 +51,11 @@ def arm_str(arm: Arm) -> str:
     return mode.value if mode is Mode.AR else f"{mode.value}:{arm[1]}"
 
 
+def arm_mode(arm: Arm) -> Mode:
+    """The arm's mode: the group whose gammas share one calibration of the cost-model prior."""
+    return Mode(arm[0])
+
+
 def make_arms(gamma_max: int, psd_available: bool, modes: tuple[Mode, ...] | None = None,
               gamma_min: int = 1, ngram_available: bool = False) -> list[Arm]:
     if gamma_max < 0:

@@ -14,7 +14,11 @@ The rule, per context bin (every statistic below is kept separately for each bin
 * **Prior warm start.** ``prior(context, arm)`` (e.g. the cost model's predicted per-token
   latency) enters each arm's mean as ``prior_weight`` pseudo-observations, after calibrating its
   scale to what was measured in that bin (the geometric mean ratio observed/predicted over the
-  arms tried), so only the prior's *ordering* has to be right.
+  arms tried), so only the prior's *ordering* has to be right. With ``prior_group`` (e.g. an
+  arm's mode), each group is calibrated on its own measured arms, so one arm measured in a group
+  carries the prior's error for that group to the group's untried arms (a prior that misses one
+  mode's cost by 2x is corrected for all its gammas at once, not one play each); a group with
+  nothing measured in the bin takes the bin's overall ratio.
 * **Blocks.** A chosen arm is held for a block of steps in that bin. Block length is
   ``(block_growth - 1) * n`` clipped to ``[initial_block, max_block]``: every time an arm wins
   again its block multiplies its sample count by ``block_growth`` (UCB2-style exponential
@@ -110,7 +114,8 @@ class ContextualBandit:
 
     def __init__(self, arms: Sequence[Arm], config: BanditConfig | None = None, *, seed: int = 0,
                  switch_cost: Callable[[Arm, Arm], float] | None = None,
-                 prior: Callable[[Context, Arm], float] | None = None, **settings):
+                 prior: Callable[[Context, Arm], float] | None = None,
+                 prior_group: Callable[[Arm], Hashable] | None = None, **settings):
         if not arms:
             raise ValueError("the bandit needs at least one arm")
         if len(set(arms)) != len(arms):
@@ -121,6 +126,9 @@ class ContextualBandit:
         self.switch_cost = switch_cost
         self.prior = prior
         self.prior_weight = cfg.prior_weight if prior is not None else 0.0
+        groups = [prior_group(a) for a in self.arms] if prior_group is not None else [None] * len(self.arms)
+        self._prior_groups = [np.array([g == h for h in groups]) for g in dict.fromkeys(groups)] \
+            if prior_group is not None else []
         self._rng = random.Random(seed)
         self._bins: dict[Context, _Bin] = {}
         self._last_ctx: Context | None = None
@@ -157,14 +165,27 @@ class ContextualBandit:
         p = np.array([float(self.prior(context, a)) for a in self.arms])
         p = np.where(np.isfinite(p) & (p > 0), p, np.nan)
         seen = (b.n > 1e-9) & ~np.isnan(p)
-        if seen.any():   # calibrate the prior's scale to this bin's measurements
-            obs = b.s[seen] / b.n[seen]
-            ok = obs > 0
-            if ok.any():
-                w = b.n[seen][ok]
-                ratio = math.exp(float(np.sum(w * np.log(obs[ok] / p[seen][ok])) / np.sum(w)))
-                p = p * min(max(ratio, 0.1), 10.0)
-        return p
+        overall = self._calibration(b, p, seen)   # the prior's scale against this bin's measurements
+        scale = np.full(len(self.arms), overall if overall is not None else 1.0)
+        for members in self._prior_groups:
+            ratio = self._calibration(b, p, seen & members)
+            if ratio is not None:
+                scale[members] = ratio
+        return p * scale
+
+    @staticmethod
+    def _calibration(b: _Bin, p: np.ndarray, seen: np.ndarray) -> float | None:
+        """Observed over predicted loss of the `seen` arms (geometric mean, weighted by their
+        evidence, clipped to [0.1, 10]); None when none is measured."""
+        if not seen.any():
+            return None
+        obs = b.s[seen] / b.n[seen]
+        ok = obs > 0
+        if not ok.any():
+            return None
+        w = b.n[seen][ok]
+        ratio = math.exp(float(np.sum(w * np.log(obs[ok] / p[seen][ok])) / np.sum(w)))
+        return min(max(ratio, 0.1), 10.0)
 
     def _estimates(self, context: Context, b: _Bin):
         """(means, counts, sigma, known) for every arm of the bin."""

@@ -50,7 +50,7 @@ import time
 from typing import Callable, Hashable
 
 from planner.acceptance import AcceptanceEstimate, CostModelPrior, MatchRate
-from planner.arms import AR, Arm, Decision, arm_str, make_arms
+from planner.arms import AR, Arm, Decision, arm_mode, arm_str, make_arms
 from planner.bandit import ContextualBandit
 from backend.mode import Mode
 from planner.config import PlannerConfig
@@ -96,7 +96,8 @@ class Planner:
                                       overhead=self.serving_cost.estimate)
                        if cost_profile is not None else None)
         self.bandit = ContextualBandit(self.arms, cfg.bandit, seed=seed,
-                                       switch_cost=self._switch_cost, prior=self._prior)
+                                       switch_cost=self._switch_cost, prior=self._prior,
+                                       prior_group=arm_mode)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)

@@ -159,6 +159,32 @@ def test_prior_warm_start_reduces_regret_and_survives_a_wrong_scale():
     assert totals["scaled"] < totals["none"]
 
 
+def test_a_prior_that_misses_one_modes_cost_is_corrected_for_all_its_gammas():
+    """The prior ranks the four speculative arms ahead of plain decoding; measured, each costs
+    1.9x what it predicts, and plain decoding (measured first, as the engine starts with it) costs
+    what it predicts. Calibrated per mode (the planner's grouping), the first measured speculative
+    arm corrects its siblings; with one calibration over all arms, plain decoding's exact
+    measurements pull the ratio back towards 1 and each sibling is played before it is believed."""
+    arms = [("ar", 0)] + [("sd", g) for g in (1, 2, 3, 4)]
+    predicted = lambda c, a: 1.0 if a[0] == "ar" else 0.8 + 0.01 * a[1]      # noqa: E731
+    true = lambda c, a, t: 1.0 if a[0] == "ar" else 1.9 * predicted(c, a)     # noqa: E731
+    spec_steps, tried = {}, {}
+    for grouped in (False, True):
+        steps, arms_tried = [], []
+        for seed in range(3):
+            b = ContextualBandit(arms, seed=seed, prior=predicted,
+                                 prior_group=(lambda a: a[0]) if grouped else None)
+            for _ in range(10):
+                b.update(0, ("ar", 0), 1.0)
+            played, _ = simulate(b, true, 400, seed=seed)
+            steps.append(sum(a[0] == "sd" for a in played))
+            arms_tried.append(len({a for a in played if a[0] == "sd"}))
+            assert b.best(0) == ("ar", 0)
+        spec_steps[grouped], tried[grouped] = np.mean(steps), np.mean(arms_tried)
+    assert tried[False] == 4 and tried[True] < 2, tried
+    assert spec_steps[True] <= 0.5 * spec_steps[False], spec_steps
+
+
 def test_min_hold_spaces_switches():
     b = ContextualBandit(ARMS6, seed=0, min_hold=8, block_growth=1.0)
     played, _ = simulate(b, two_contexts, 3000, context=lambda t: (t // 3) % 2)
