@@ -45,15 +45,15 @@ class Decision:
 AR = Decision(Mode.AR, 0)
 
 
-def arm_str(arm: Arm) -> str:
-    """``ar``, ``sd:3``, ``psd:2``."""
-    mode = Mode(arm[0])
-    return mode.value if mode is Mode.AR else f"{mode.value}:{arm[1]}"
-
-
 def arm_mode(arm: Arm) -> Mode:
     """The arm's mode: the group whose gammas share one calibration of the cost-model prior."""
     return Mode(arm[0])
+
+
+def arm_str(arm: Arm) -> str:
+    """``ar``, ``sd:3``, ``psd:2``."""
+    mode = arm_mode(arm)
+    return mode.value if mode is Mode.AR else f"{mode.value}:{arm[1]}"
 
 
 def make_arms(gamma_max: int, psd_available: bool, modes: tuple[Mode, ...] | None = None,

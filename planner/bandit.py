@@ -126,9 +126,9 @@ class ContextualBandit:
         self.switch_cost = switch_cost
         self.prior = prior
         self.prior_weight = cfg.prior_weight if prior is not None else 0.0
-        groups = [prior_group(a) for a in self.arms] if prior_group is not None else [None] * len(self.arms)
-        self._prior_groups = [np.array([g == h for h in groups]) for g in dict.fromkeys(groups)] \
-            if prior_group is not None else []
+        # one membership mask per group of arms that share a calibration of the prior
+        groups = [prior_group(a) for a in self.arms] if prior_group is not None else []
+        self._prior_groups = [np.array([g == h for h in groups]) for g in dict.fromkeys(groups)]
         self._rng = random.Random(seed)
         self._bins: dict[Context, _Bin] = {}
         self._last_ctx: Context | None = None
