@@ -3,7 +3,8 @@
 The planner observes the decision it issued together with this outcome. ``ran`` differs from
 the issued decision only where the step could not run it (the drafter still on its way back,
 or no sequence got drafts: plain decoding; batch-parallel SD with nothing overlapped:
-sequential SD); the arm that ran is the one scored.
+sequential SD); the arm that ran is the one scored. A step in which no sequence decoded (it fed
+only prompts) is no arm's sample: nothing could be drafted, and its time is nearly all prefill.
 """
 from __future__ import annotations
 
@@ -25,3 +26,4 @@ class StepOutcome:
     forward_s: float = 0.0             # ... and its time
     ngram_matched: int = 0             # positions the n-gram lookup's drafts would have matched ...
     ngram_compared: int = 0            # ... of those checked against this step's tokens
+    decoded: bool = True               # a sequence decoded: False for a step that fed only prompts

@@ -173,11 +173,20 @@ class Planner:
         the tokens it committed over all sequences, the sequences it advanced, and the drafter's
         catch-up / reload times when speculation resumed after a gamma = 0 period. With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
-        time is estimated (:mod:`planner.step_costs`) and not charged to the arm. The n-gram
-        match counts (whatever ran) are the n-gram arms' prior."""
+        time is estimated (:mod:`planner.step_costs`) and not charged to the arm. A step that
+        fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
+        could be drafted, and what is left of its time after the prefill's estimated share is
+        noise that would land on plain decoding): only the forward's cost line learns from it.
+        The n-gram match counts (whatever ran) are the n-gram arms' prior."""
         o = outcome
         decision = o.ran if o.ran is not None else issued
         self._ngram_matches.observe(o.ngram_matched, o.ngram_compared)
+        if o.drafter_reload_s > 0:
+            self._switch.observe_reload(o.drafter_reload_s)
+            self._drafter.reloaded()
+        if not o.decoded:       # only prompts: the forward's cost line learns from it, no arm does
+            self.forward_cost.observe(o.forward_tokens, o.forward_s)
+            return
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
             ctx = self.bins.context(LoadSignals(batch_size=o.batch_size))
@@ -195,9 +204,6 @@ class Planner:
             if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)
             self._switch.observe_on(o.drafter_rebuild_s)
-        if o.drafter_reload_s > 0:
-            self._switch.observe_reload(o.drafter_reload_s)
-            self._drafter.reloaded()
 
     def _context_moved(self, what: str) -> None:
         """The pruner saw the acceptance (or the demand) move: what the bandit measured of the

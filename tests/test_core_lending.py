@@ -65,3 +65,27 @@ def test_lending_can_be_turned_off():
         assert not e._placement.lent and torch.get_num_threads() == 1
     finally:
         e.close()
+
+
+def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_planner_speculates():
+    """With nothing decoding there is nothing to draft: a speculative plan would only halve the
+    prefill's cores."""
+    all_cores = os.sched_getaffinity(0)
+    e = auto_engine(["sd"])        # every decision the planner can make is speculative
+    place = e._placement
+    try:
+        seen = []
+        out = e.generate(PROMPTS, GREEDY, on_step=lambda _: seen.append(
+            (e.stats().last_step, place.lent, torch.get_num_threads(), e.adaptive._issued)))
+        prefill_only = [s for s in seen if s[0].num_prefill_tokens > 0 and s[0].num_forward_tokens
+                        == s[0].num_prefill_tokens]
+        assert prefill_only, "no step fed only prompts"
+        assert all(issued.speculative for *_, issued in prefill_only), "the planner did not speculate"
+        assert all(lent and threads == 2 and not st.drafted for st, lent, threads, _ in prefill_only)
+        drafted = [s for s in seen if s[0].drafted]
+        assert drafted and all(not lent and threads == 1 for _, lent, threads, _ in drafted)
+        ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+        assert [c.output_ids for c in out] == [c.output_ids for c in ar.generate(PROMPTS, GREEDY)]
+    finally:
+        e.close()
+    assert os.sched_getaffinity(0) == all_cores

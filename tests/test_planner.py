@@ -352,6 +352,27 @@ def test_wall_time_without_the_catchup_is_the_arms_loss():
     assert mean == pytest.approx(0.1 / 10 * p.bins.norm("b4-7", 4))
 
 
+def test_a_step_that_fed_only_prompts_is_no_arms_sample():
+    """Its time is nearly all prefill; scored, it lands on plain decoding (what ran, since nothing
+    was drafted) as a loss far above plain decoding's own, and steers the bandit to speculate."""
+    p = Planner(PlannerConfig.from_dict({"initial_block": 1}), gamma_max=2, psd_available=False,
+                seed=0)
+    s = LoadSignals(batch_size=4, now=0.0)
+    for fed in range(4, 24):        # enough points for the forward's cost line to be fitted
+        p.decide(s)
+        p.observe(AR, StepOutcome(step_wall_s=0.01, tokens_committed=4, batch_size=4, forward_tokens=fed,
+                                  forward_s=0.005 + 0.001 * fed))
+    before = p.bandit.means("b4-7")[AR.arm]
+    fitted = p.forward_cost.seconds_per_token
+    p.decide(s)
+    p.observe(Decision("sd", 2), StepOutcome(step_wall_s=0.5, tokens_committed=4, batch_size=4, ran=AR,
+                                             prefill_tokens=400, forward_tokens=400, forward_s=0.45,
+                                             decoded=False))
+    assert p.bandit.means("b4-7")[AR.arm] == before
+    assert fitted is not None and p.forward_cost.seconds_per_token != fitted, \
+        "the forward's cost line did not learn from it"
+
+
 def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
     p = Planner(PlannerConfig(offload_after_steps=50, offload_after_s=0.5), gamma_max=3,
                 psd_available=False, seed=0)

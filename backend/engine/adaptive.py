@@ -71,6 +71,11 @@ class AdaptiveController:
         if decision.mode is Mode.NGRAM:
             self._lend_cores()               # n-gram drafts need no drafter model
             return StepPlan(decision.mode, decision.gamma)
+        if decision.gamma > 0 and not self._any_decoding():
+            # Only prompts this step: there is nothing to draft (the drafter takes the prompts
+            # in its catch-up when it drafts), and the prefill runs on every core.
+            self._lend_cores()
+            return PLAIN
         if decision.gamma > 0:
             self._ar_steps = 0
             if self.placement is not None:
@@ -84,6 +89,10 @@ class AdaptiveController:
             mem.offload()
         self._lend_cores()
         return PLAIN
+
+    def _any_decoding(self) -> bool:
+        """Will a running sequence decode this step (one pending token), so it could be drafted for?"""
+        return any(seq.num_uncomputed == 1 for seq in self.scheduler.running)
 
     def _lend_cores(self) -> None:
         self._ar_steps += 1
@@ -107,13 +116,17 @@ class AdaptiveController:
         """After the step: `plan`, what this controller issued (as the engine ran it), and the
         step's result."""
         self._observe_serving(step)
+        decoded = step.num_forward_tokens > step.num_prefill_tokens
         rebuild_s = 0.0
         if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.stats().last_catchup_s
             self._drafter_paused = False
-        else:
-            self._drafter_paused = True
+        elif decoded:
+            self._drafter_paused = True    # sequences decoded without it: it falls behind
+        # (A step that fed only prompts neither pauses the drafter nor resumes it: whatever
+        # runs next, the drafter takes those prompts when it first drafts them, a cost of
+        # speculating on them, not of switching to it.)
         # What actually ran, where it is not what was issued: no drafts verified (the drafter on
         # its way back, or nothing proposed) is plain decoding.
         ran = Decision(step.mode, plan.gamma) if step.drafted else AR
@@ -125,7 +138,7 @@ class AdaptiveController:
             drafter_reload_s=reload_s or 0.0,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
-            ngram_matched=matched, ngram_compared=compared))
+            ngram_matched=matched, ngram_compared=compared, decoded=decoded))
 
     def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its
