@@ -112,24 +112,28 @@ def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts
 
 
 def test_the_drafters_first_drafts_of_new_prompts_are_charged_to_the_arm_not_to_switching():
-    """Speculation ran, the batch emptied, new prompts came (a step that fed only prompts): the
-    drafter's prefill of them when it first drafts them is a cost of speculating, so that step's
-    wall time is the arm's; only drafts after plain decoding are a turn-on's catch-up."""
+    """Speculation ran, the batch emptied, a new prompt came (a step that fed only prompts): the
+    drafter's prefill of it when it first drafts it is a cost of speculating, so that step's wall
+    time is the arm's; only drafts after plain decoding are a turn-on's catch-up."""
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
                                  gamma=2, gamma_max=2, planner={"modes": ["sd"]}, planner_cost_profile="off"))
     seen = []
     real_observe = engine.planner.observe
     engine.planner.observe = lambda issued, o: (seen.append(o), real_observe(issued, o))
-    prompts = ["def add(a, b):\n", "import os\n"]
     try:
-        engine.generate(prompts, GREEDY)
+        engine.add_request("first", "def add(a, b):\n", GREEDY)
+        while not (seen and seen[-1].decoded and seen[-1].ran is None):    # until a step drafted
+            engine.step()
+        engine.abort("first")          # the batch empties right after drafting: no plain step
+        engine.step()
+        assert not engine.has_unfinished()
         first_wave = len(seen)
-        engine.generate(prompts[::-1], GREEDY)
-        second = seen[first_wave:]
-        assert not second[0].decoded, "the second wave did not start with a step of prompts only"
-        first_drafts = next(o for o in second if o.decoded and o.ran is None)
-        assert engine.drafter.stats().num_sequences == 0
+        engine.add_request("second", "import os\n", GREEDY)
+        while not (len(seen) > first_wave and seen[-1].decoded):
+            engine.step()
+        prompts_only, first_drafts = seen[first_wave:]
+        assert not prompts_only.decoded
+        assert first_drafts.ran is None, "the second request's first decoding step did not draft"
         assert first_drafts.drafter_rebuild_s == 0.0
-        assert all(o.drafter_rebuild_s == 0.0 for o in seen), "no plain decoding ran, so nothing is a catch-up"
     finally:
         engine.close()
