@@ -101,3 +101,9 @@ class StepResult(PassCounts):
     def overlap(self) -> float:
         """(T_draft + T_verify) / T_step: 1 = no overlap, 2 = perfect overlap."""
         return (self.t_draft_s + self.t_verify_s) / self.t_step_s if self.t_step_s else 0.0
+
+    @property
+    def decoded(self) -> bool:
+        """A sequence decoded (the forward fed more than prompt chunks): False for a step that
+        fed only prompts, in which nothing could be drafted."""
+        return self.num_forward_tokens > self.num_prefill_tokens

@@ -116,13 +116,12 @@ class AdaptiveController:
         """After the step: `plan`, what this controller issued (as the engine ran it), and the
         step's result."""
         self._observe_serving(step)
-        decoded = step.num_forward_tokens > step.num_prefill_tokens
         rebuild_s = 0.0
         if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.stats().last_catchup_s
             self._drafter_paused = False
-        elif decoded:
+        elif step.decoded:
             self._drafter_paused = True    # sequences decoded without it: it falls behind
         # (A step that fed only prompts neither pauses the drafter nor resumes it: whatever
         # runs next, the drafter takes those prompts when it first drafts them, a cost of
@@ -138,7 +137,7 @@ class AdaptiveController:
             drafter_reload_s=reload_s or 0.0,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
-            ngram_matched=matched, ngram_compared=compared, decoded=decoded))
+            ngram_matched=matched, ngram_compared=compared, decoded=step.decoded))
 
     def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its
