@@ -76,17 +76,18 @@ def run_levels_cli(args) -> int:
         raise ValueError("--repeats must be >= 1")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: list[dict] = []
+
+    def record(run: dict) -> None:
+        """Keep a run and rewrite the result file, so a failure later keeps what was measured."""
+        runs.append(run)
+        _progress(run)
+        write_report(args, runs, complete=False)
+
     if "in-process" in paths:
-        runs += measure_in_process(args, names, levels)
+        measure_in_process(args, names, levels, record)
     if "server" in paths:
-        runs += measure_on_server(args, names, levels)
-    rows = summarise(runs)
-    report = {"max_tokens": args.max_tokens, "temperature": args.temperature, "gamma": args.gamma,
-              "target": args.target, "drafter": args.drafter, "repeats": args.repeats,
-              "server_client": args.server_client, "cores": sorted(os.sched_getaffinity(0)),
-              "torch": torch.__version__, "runs": runs, "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
+        measure_on_server(args, names, levels, record)
+    rows = write_report(args, runs, complete=True)
     print(format_table(rows))
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
     draw(rows, plot)
@@ -94,14 +95,27 @@ def run_levels_cli(args) -> int:
     return 0
 
 
+def write_report(args, runs: list[dict], complete: bool) -> list[dict]:
+    """Write the result file (`complete` false while runs are still coming); returns its rows."""
+    rows = summarise(runs)
+    report = {"complete": complete, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "gamma": args.gamma, "target": args.target, "drafter": args.drafter, "repeats": args.repeats,
+              "server_client": args.server_client, "cores": sorted(os.sched_getaffinity(0)),
+              "torch": torch.__version__, "runs": runs, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.json).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(args.json)          # a reader never sees half a file
+    return rows
+
+
 def _rotated(names: list[str], rep: int) -> list[str]:
     return names[rep % len(names):] + names[:rep % len(names)]
 
 
-def measure_in_process(args, names: list[str], levels: list[int]) -> list[dict]:
+def measure_in_process(args, names: list[str], levels: list[int], record) -> None:
     cores = sorted(os.sched_getaffinity(0))
     engines = build_engines(args, names)
-    runs = []
     try:
         for engine, placement in engines.values():     # compiles its graphs, not measured
             run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6,
@@ -114,16 +128,15 @@ def measure_in_process(args, names: list[str], levels: list[int]) -> list[dict]:
                     before = _arm_counts(engine)
                     r = run_level(engine, placement, prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
-                    runs.append({"path": "in-process", "config": name, "concurrency": level, "repeat": rep,
-                                 "tokens_per_s": r["tokens_per_s"], "mean_latency_s": r["mean_latency_s"]})
+                    run = {"path": "in-process", "config": name, "concurrency": level, "repeat": rep,
+                           "tokens_per_s": r["tokens_per_s"], "mean_latency_s": r["mean_latency_s"]}
                     if engine.planner is not None:
-                        runs[-1]["arm_steps"] = _steps_since(before, _arm_counts(engine))
-                    _progress(runs[-1])
+                        run["arm_steps"] = _steps_since(before, _arm_counts(engine))
+                    record(run)
     finally:
         for engine, _ in engines.values():
             engine.close()
         os.sched_setaffinity(0, cores)
-    return runs
 
 
 def _arm_counts(engine) -> dict[str, int]:
@@ -145,13 +158,12 @@ def arm_shares(runs: list[dict]) -> dict[str, float]:
     return {arm: n / steps for arm, n in sorted(total.items(), key=lambda kv: -kv[1])} if steps else {}
 
 
-def measure_on_server(args, names: list[str], levels: list[int]) -> list[dict]:
+def measure_on_server(args, names: list[str], levels: list[int], record) -> None:
     from client.bench_serve import scrape_metrics
     from client.dynamic_server import MODEL, serving
     from client.profile_server import drive, drive_perf_analyzer
 
     prompts = load_prompts(args.prompts, max(8, int(args.requests_per_level * max(levels))))
-    runs = []
     with contextlib.ExitStack() as stack:
         served = {}
         for name in names:
@@ -173,10 +185,8 @@ def measure_on_server(args, names: list[str], levels: list[int]) -> list[dict]:
                     after = scrape_metrics(s.metrics_url, MODEL)
                     made = after.get("nightdraft_generation_tokens_total", 0) - \
                         before.get("nightdraft_generation_tokens_total", 0)
-                    runs.append({"path": "server", "config": name, "concurrency": level, "repeat": rep,
-                                 "tokens_per_s": made / wall, "client": args.server_client})
-                    _progress(runs[-1])
-    return runs
+                    record({"path": "server", "config": name, "concurrency": level, "repeat": rep,
+                            "tokens_per_s": made / wall, "client": args.server_client})
 
 
 def _progress(run: dict) -> None:

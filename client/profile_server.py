@@ -22,6 +22,9 @@ from pathlib import Path
 from client.bench_serve import scrape_metrics
 from client.dynamic_server import MODEL, serving
 
+# perf_analyzer's words when no request finished inside a measurement window
+NOTHING_RECORDED = "No valid requests recorded"
+
 
 def engine_config(args, name: str) -> dict:
     from client.bench_offline import executor_args
@@ -46,22 +49,32 @@ def drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
     return time.perf_counter() - t0, len(prompts) * args.max_tokens
 
 
-def drive_perf_analyzer(grpc_url: str, conc: int, args) -> float:
+def drive_perf_analyzer(grpc_url: str, conc: int, args, retries: int = 2) -> float:
     """perf_analyzer at `conc` streams for three windows of ``--pa-window-s``; returns the wall
-    time it ran (the caller reads the tokens from the server's counters around it)."""
+    time it ran (the caller reads the tokens from the server's counters around it, so a retry's
+    tokens and time both count). When no request completed inside a window (a slow host, a high
+    concurrency), it runs again with a window twice as long, up to `retries` times."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "perf_analyzer.sh"
     out = Path(args.json).with_suffix(f".pa-c{conc}.json")
-    out.unlink(missing_ok=True)     # perf_analyzer refuses to overwrite its export (each run keeps the last)
-    cmd = [str(script), "-u", grpc_url, "-m", MODEL, "-c", str(conc), "-n", str(args.max_tokens),
-           "-t", str(args.temperature), "-o", str(out), "--",
-           "--measurement-interval", str(int(1000 * args.pa_window_s)), "--stability-percentage", "999"]
+    window_s = args.pa_window_s
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
-    if res.returncode != 0:
+    for attempt in range(retries + 1):
+        out.unlink(missing_ok=True)     # perf_analyzer refuses to overwrite its export (each run keeps the last)
+        cmd = [str(script), "-u", grpc_url, "-m", MODEL, "-c", str(conc), "-n", str(args.max_tokens),
+               "-t", str(args.temperature), "-o", str(out), "--",
+               "--measurement-interval", str(int(1000 * window_s)), "--stability-percentage", "999"]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
+        if res.returncode == 0:
+            return time.perf_counter() - t0
+        if NOTHING_RECORDED in res.stdout + res.stderr and attempt < retries:
+            window_s *= 2
+            print(f"perf_analyzer recorded no request in its window at concurrency {conc}; "
+                  f"again with a {window_s:g} s window", file=sys.stderr, flush=True)
+            continue
         # perf_analyzer prints the reason first, then its whole usage text
         raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[:1500]}\n"
                            f"... {res.stdout[-1000:]}")
-    return time.perf_counter() - t0
+    raise AssertionError("unreachable")
 
 
 def profile_on_server(args, names: list[str], levels: list[int], prompts: list[str],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -65,6 +66,7 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["complete"] is True
     assert {(r["path"], r["config"]) for r in report["runs"]} == {
         (p, c) for p in ("in-process", "server") for c in ("ar-2dev", "sd", "auto")}
     assert all(r["tokens_per_s"] > 0 for r in report["runs"])
@@ -78,3 +80,27 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
     assert sum(auto_row["auto_arm_shares"].values()) == pytest.approx(1.0)   # its steps were counted
     assert "auto/best" in proc.stdout
     assert out.with_suffix(".png").is_file()
+
+
+@pytest.mark.slow
+def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path):
+    """The result file is rewritten after every run: when the server path fails (here
+    perf_analyzer is missing), the in-process runs already measured are on disk, marked
+    incomplete."""
+    from client.launcher import LauncherError, find_tritonserver
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+    out = tmp_path / "levels.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.cli", "bench", "levels", "--configs", "ar-2dev",
+         "--concurrency", "2", "--repeats", "1", "--max-tokens", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env=os.environ | {"PERF_ANALYZER": str(tmp_path / "no-perf-analyzer")})
+    assert proc.returncode != 0
+    assert "perf_analyzer failed" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["complete"] is False
+    assert [(r["path"], r["config"]) for r in report["runs"]] == [("in-process", "ar-2dev")]
+    assert report["rows"][0]["tokens_per_s"]["ar-2dev"] > 0

@@ -452,14 +452,19 @@ def test_ensemble_non_streaming_and_its_tokens_model_frees_blocks(triton_server,
 # ------------------------------------------------------------------------------ perf_analyzer
 
 
-def test_perf_analyzer_short_streaming_run(triton_server, tmp_path):
-    script = REPO / "scripts" / "perf_analyzer.sh"
+@pytest.fixture(scope="module")
+def perf_analyzer_bin() -> str:
     venv_pa = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "perf_analyzer"
     pa = os.environ.get("PERF_ANALYZER") or shutil.which("perf_analyzer") or (str(venv_pa) if venv_pa.exists() else None)
     if pa is None:
         pytest.skip("perf_analyzer binary not found (it comes with tritonclient[all]==2.51.0)")
+    return pa
+
+
+def test_perf_analyzer_short_streaming_run(triton_server, tmp_path, perf_analyzer_bin):
+    script = REPO / "scripts" / "perf_analyzer.sh"
     export = tmp_path / "pa.json"
-    env = dict(os.environ, PERF_ANALYZER=pa)
+    env = dict(os.environ, PERF_ANALYZER=perf_analyzer_bin)
     proc = subprocess.run(
         [str(script), "-u", triton_server.grpc_url, "-c", "2", "-n", "8", "-o", str(export), "--",
          "--measurement-mode", "count_windows", "--measurement-request-count", "8",
@@ -474,3 +479,22 @@ def test_perf_analyzer_short_streaming_run(triton_server, tmp_path):
     data = json.loads(export.read_text())
     reqs = data["experiments"][0]["requests"]
     assert reqs and all(len(r["response_timestamps"]) > 1 for r in reqs), "responses were not streamed"
+
+
+def test_perf_analyzer_runs_again_with_a_longer_window_when_no_request_finished_in_it(
+        triton_server, tmp_path, perf_analyzer_bin, monkeypatch, capsys):
+    """The benchmarks' perf_analyzer driver: a window far shorter than one request (5 ms for 128
+    tokens) records nothing; the driver doubles the window until requests finish inside it, and
+    gives up with perf_analyzer's reason when its retries run out."""
+    from types import SimpleNamespace
+
+    from client.profile_server import NOTHING_RECORDED, drive_perf_analyzer
+    monkeypatch.setenv("PERF_ANALYZER", perf_analyzer_bin)
+    args = SimpleNamespace(json=str(tmp_path / "levels.json"), pa_window_s=0.005, max_tokens=128, temperature=0.0)
+    with pytest.raises(RuntimeError, match=NOTHING_RECORDED):
+        drive_perf_analyzer(triton_server.grpc_url, 1, args, retries=0)
+    assert drive_perf_analyzer(triton_server.grpc_url, 1, args, retries=10) > 0
+    err = capsys.readouterr().err
+    assert "again with a 0.01 s window" in err
+    assert (tmp_path / "levels.pa-c1.json").is_file(), "the successful run's export is kept"
+    wait_kv_free(triton_server, "nightdraft")
