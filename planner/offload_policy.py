@@ -32,7 +32,8 @@ reload then would shrink the pool under running requests and preempt them): the 
 must have fallen below ``clear_level`` and the used blocks below ``reload_kv_usage`` of that pool
 (default: 0.8 x ``kv_pressure``, room for the running requests to grow), for ``reload_after_s``
 seconds, and demand must be within the speculative arms' capacity as far as it is measured at
-this batch (a lull inside a burst is not the end of the burst). Then the bandit may choose
+this batch (a lull inside a burst is not the end of the burst; weighed every ``gain_check_every``
+steps). Then the bandit may choose
 speculation again and the engine reloads. The thresholds
 apart (a level of one half to offload, ``clear_level`` to come back; ``kv_pressure`` against
 ``reload_kv_usage``) are the hysteresis that keeps the drafter from bouncing. An offload taken on
@@ -197,6 +198,7 @@ class MemoryRule:
         self._road_closed = False        # an offload did not pay: not again in this overload
         self.verdicts = {"paid": 0, "missed": 0}
         self.last_demand_ratio: float | None = None   # demand / the arm's capacity, last asked
+        self._demand_verdict: bool | None = None      # offloaded: demand over capacity, last weighed
 
     def hold(self, s: LoadSignals, now: float, step: int) -> bool:
         """Once per step, before deciding: must this step decode plainly? (While the drafter's
@@ -209,10 +211,10 @@ class MemoryRule:
             self._road_closed = False           # that overload is over
         if self.drafter.offloaded:
             self.for_kv = False
-            hold = ((not pol.may_reload(now) or self.demand_over(s, speculative=True) is True)
-                    and not self._missed(step))
+            hold = (not pol.may_reload(now) or self._demand_holds(s, step)) and not self._missed(step)
         else:
             self.check = None
+            self._demand_verdict = None
             hold = self.for_kv = self._weigh(s, now, step)
         if hold:
             self.hold_steps += 1
@@ -220,6 +222,15 @@ class MemoryRule:
             self._bandit.interrupt()     # the hold ends: decide afresh, not by an old AR block
         self.holding_ar = hold
         return hold
+
+    def _demand_holds(self, s: LoadSignals, step: int) -> bool:
+        """Offloaded, with room to reload: does demand still exceed the speculative arms'
+        capacity? Weighed when first asked and then every ``gain_check_every`` steps, as the
+        offload's gain is: it reads every arm's estimate from the bandit (tenths of a millisecond
+        on a CPU, a tenth of a small batch's step), and demand moves over seconds, not steps."""
+        if self._demand_verdict is None or step % self.cfg.gain_check_every == 0:
+            self._demand_verdict = self.demand_over(s, speculative=True) is True
+        return self._demand_verdict
 
     def _weigh(self, s: LoadSignals, now: float, step: int) -> bool:
         """Does the memory-aware road want the drafter's bytes as KV cache now?"""

@@ -625,6 +625,33 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
     assert eng.offloads == 1                  # no bouncing
 
 
+def test_an_offloaded_drafters_demand_gate_is_weighed_every_few_steps_and_still_holds():
+    # Offloaded, with room in the pool to reload, plain decoding is held while demand exceeds
+    # the speculative arms' capacity. Weighing that reads every arm's estimate from the bandit
+    # (0.7 ms a step on two CPU cores, a tenth of a small batch's step), so it is weighed every
+    # gain_check_every steps; between, the last verdict holds. (An offload on pressure alone,
+    # with no growth reported: no offload check of its own to end the hold.)
+    per_token_spec = min(true_step("sd", g, 8)[0] / true_step("sd", g, 8)[1] for g in range(1, 5))
+    cfg = PlannerConfig(offload_after_steps=1, offload_after_s=0.0, reload_after_s=0.05)
+    p = Planner(cfg, gamma_max=4, psd_available=False, seed=0)
+    eng = KVBoundEngine(p, demand_tok_s=3 / per_token_spec, report_growth=False)
+    for _ in range(300):
+        eng.step(2)
+    for _ in range(100):
+        eng.step(30)
+    assert eng.offloads == 1
+    weighed = []
+    weigh = p._memory.demand_over
+    p._memory.demand_over = lambda s, speculative: weighed.append(s.now) or weigh(s, speculative=speculative)
+    low = [eng.step(2)[0] for _ in range(400)]           # the pool has room, demand is still high
+    assert p._memory.policy.may_reload(eng.t)
+    assert eng.reloads == 0 and not any(d.speculative for d in low)
+    assert 0 < len(weighed) <= 400 / cfg.gain_check_every + 1
+    eng.demand_tok_s = 0.2 / per_token_spec               # demand falls: speculation comes back
+    waited = next(i for i in range(100) if eng.step(2) and eng.reloads)
+    assert waited < cfg.gain_check_every
+
+
 @pytest.mark.parametrize("growth, report", [(1.2, True), (1.75, False)])
 def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, report):
     # growth 1.2: the batch the freed memory admits (9-10) is not enough to beat speculation at 8;
