@@ -65,16 +65,15 @@ def drive_perf_analyzer(grpc_url: str, conc: int, args, retries: int = 2) -> flo
                "--measurement-interval", str(int(1000 * window_s)), "--stability-percentage", "999"]
         res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
         if res.returncode == 0:
-            return time.perf_counter() - t0
-        if NOTHING_RECORDED in res.stdout + res.stderr and attempt < retries:
-            window_s *= 2
-            print(f"perf_analyzer recorded no request in its window at concurrency {conc}; "
-                  f"again with a {window_s:g} s window", file=sys.stderr, flush=True)
-            continue
-        # perf_analyzer prints the reason first, then its whole usage text
-        raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[:1500]}\n"
-                           f"... {res.stdout[-1000:]}")
-    raise AssertionError("unreachable")
+            break
+        if NOTHING_RECORDED not in res.stdout + res.stderr or attempt == retries:
+            # perf_analyzer prints the reason first, then its whole usage text
+            raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[:1500]}\n"
+                               f"... {res.stdout[-1000:]}")
+        window_s *= 2
+        print(f"perf_analyzer recorded no request in its window at concurrency {conc}; "
+              f"again with a {window_s:g} s window", file=sys.stderr, flush=True)
+    return time.perf_counter() - t0
 
 
 def profile_on_server(args, names: list[str], levels: list[int], prompts: list[str],

@@ -92,6 +92,16 @@ def start_ready(server, timeout_s: float) -> None:
         pytest.fail(f"tritonserver did not start: {e}", pytrace=False)
 
 
+@pytest.fixture
+def tritonserver_runnable() -> None:
+    """Skips the test where no tritonserver can run (the pytriton wheel's layout is missing)."""
+    from client.launcher import LauncherError, find_tritonserver
+    try:
+        find_tritonserver()
+    except LauncherError as e:
+        pytest.skip(f"no runnable tritonserver: {e}")
+
+
 @contextlib.contextmanager
 def nightdraft_only_server(tmp: Path, engine_config: dict, ready_timeout_s: float = 240, *,
                            env: dict[str, str] | None = None, parameters: dict[str, str] | None = None):

@@ -135,5 +135,6 @@ def test_the_drafters_first_drafts_of_new_prompts_are_charged_to_the_arm_not_to_
         assert not prompts_only.decoded
         assert first_drafts.ran is None, "the second request's first decoding step did not draft"
         assert first_drafts.drafter_rebuild_s == 0.0
+        assert all(o.drafter_rebuild_s == 0.0 for o in seen), "no plain decoding ran, so nothing is a catch-up"
     finally:
         engine.close()

@@ -52,12 +52,7 @@ def test_auto_arm_shares_add_up_the_steps_of_its_repeats():
 
 
 @pytest.mark.slow
-def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
-    from client.launcher import LauncherError, find_tritonserver
-    try:
-        find_tritonserver()
-    except LauncherError as e:
-        pytest.skip(f"no runnable tritonserver: {e}")
+def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, tritonserver_runnable):
     out = tmp_path / "levels.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client.cli", "bench", "levels", "--configs", "ar-2dev,sd,auto",
@@ -83,15 +78,10 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path):
+def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path, tritonserver_runnable):
     """The result file is rewritten after every run: when the server path fails (here
     perf_analyzer is missing), the in-process runs already measured are on disk, marked
     incomplete."""
-    from client.launcher import LauncherError, find_tritonserver
-    try:
-        find_tritonserver()
-    except LauncherError as e:
-        pytest.skip(f"no runnable tritonserver: {e}")
     out = tmp_path / "levels.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client.cli", "bench", "levels", "--configs", "ar-2dev",
