@@ -27,12 +27,14 @@ class AcceptanceEstimate:
     def __init__(self, alpha_prior: float = 0.6):
         self.alpha_prior = alpha_prior
         self._e_hat: dict[int, float] = {}      # tokens per sequence per SD step, per gamma
+        self._alpha_of: dict[int, float] = {}   # its inversion, per gamma (dropped when it moves)
         self._cache: tuple[float, int] = (alpha_prior, -1)
         self.sd_obs = 0
 
     def observe_sd(self, gamma: int, tokens_committed: int, batch_size: int) -> None:
         """One sequential SD step with `gamma` that advanced `batch_size` sequences."""
         self._e_hat[gamma] = ewma(self._e_hat.get(gamma), tokens_committed / batch_size, 0.05)
+        self._alpha_of.pop(gamma, None)
         self.sd_obs += 1
 
     def alpha(self) -> float:
@@ -46,7 +48,9 @@ class AcceptanceEstimate:
     def _alpha_uncached(self) -> float:
         if not self._e_hat:
             return self.alpha_prior
-        vals = [alpha_for_tokens_per_call(e, g) for g, e in self._e_hat.items()]
+        vals = [self._alpha_of[g] if g in self._alpha_of
+                else self._alpha_of.setdefault(g, alpha_for_tokens_per_call(e, g))
+                for g, e in self._e_hat.items()]
         return min(max(sum(vals) / len(vals), 0.01), 0.99)
 
 
@@ -89,19 +93,25 @@ class CostModelPrior:
         self._overhead = overhead
         self._cache: dict = {}
 
-    def __call__(self, ctx: Hashable, arm: tuple[Mode, int]) -> float:
-        mode, gamma = Mode(arm[0]), arm[1]
-        alpha = self._acceptance.alpha()
-        if mode is Mode.NGRAM:
-            alpha = self._ngram.alpha() if self._ngram is not None else None
-            if alpha is None:
-                mode, gamma, alpha = Mode.AR, 0, 0.0
-        alpha = round(alpha, 2)
+    def inputs(self) -> tuple:
+        """What the predictions are computed from now, rounded so that it changes only when a
+        prediction could: the acceptance, the n-gram match rate and the serving cost. (A cache
+        key, here and in the bandit, which reads the prior again only when this changes.)"""
+        ngram = self._ngram.alpha() if self._ngram is not None else None
         overhead = self._overhead() if self._overhead is not None else None
-        overhead = overhead.rounded() if overhead is not None else None
-        key = (ctx, arm, alpha, overhead)
+        return (round(self._acceptance.alpha(), 2), round(ngram, 2) if ngram is not None else None,
+                overhead.rounded() if overhead is not None else None)
+
+    def __call__(self, ctx: Hashable, arm: tuple[Mode, int]) -> float:
+        alpha, ngram_alpha, overhead = inputs = self.inputs()
+        key = (ctx, arm, inputs)
         v = self._cache.get(key)
         if v is None:
+            mode, gamma = Mode(arm[0]), arm[1]
+            if mode is Mode.NGRAM:
+                alpha = ngram_alpha
+                if alpha is None:
+                    mode, gamma, alpha = Mode.AR, 0, 0.0
             b = max(int(round(self._bins.ref_batch(ctx, 1.0))), 1)
             try:
                 p = predict(mode, b, gamma, alpha, self._profile, overhead)

@@ -18,7 +18,9 @@ The rule, per context bin (every statistic below is kept separately for each bin
   arm's mode), each group is calibrated on its own measured arms, so one arm measured in a group
   carries the prior's error for that group to the group's untried arms (a prior that misses one
   mode's cost by 2x is corrected for all its gammas at once, not one play each); a group with
-  nothing measured in the bin takes the bin's overall ratio.
+  nothing measured in the bin takes the bin's overall ratio. With ``prior_inputs`` (what the
+  prior is computed from, now: e.g. the acceptance and the serving cost, rounded), a bin reads
+  the prior again only when those change; a decision then costs the calibration alone.
 * **Blocks.** A chosen arm is held for a block of steps in that bin. Block length is
   ``(block_growth - 1) * n`` clipped to ``[initial_block, max_block]``: every time an arm wins
   again its block multiplies its sample count by ``block_growth`` (UCB2-style exponential
@@ -48,8 +50,9 @@ and held arm, steps, blocks, shifts, plays, means), ``stats()``, ``arm_counts()`
 counters ``switches``, ``shifts``, ``stale_resets``.
 
 ``select(context)`` is called once per step and returns the arm to run; ``update(context, arm,
-loss)`` reports the step's loss for the arm actually run. Both are cheap: a decision (a few tens
-of microseconds) is made only when a block ends. ``select(context, allowed=...)`` restricts the
+loss)`` reports the step's loss for the arm actually run. Both are cheap (an update about 7 µs,
+a decision over 17 arms with a prior about 0.12 ms on a 2-core CPU), and a decision is made only
+when a block ends. ``select(context, allowed=...)`` restricts the
 choice to the arms the caller can run now (the planner: only plain decoding while the drafter's
 memory is lent to the KV pool); a held block of another arm ends, and ``interrupt()`` ends every
 held block, so that the first unrestricted step decides afresh.
@@ -69,21 +72,28 @@ Arm = Hashable
 Context = Hashable
 
 
+def _clipped_ratio(sum_w_log: float, sum_w: float) -> float:
+    return min(max(math.exp(float(sum_w_log) / float(sum_w)), 0.1), 10.0)
+
+
 class _Bin:
     """Statistics and block state of one context bin."""
 
-    __slots__ = ("n", "s", "ss", "plays", "chosen", "ewma", "ewma_w", "ewma_n", "t", "last_seen",
-                 "block_arm", "block_left", "dwell", "visit_start", "blocks", "shifts")
+    __slots__ = ("sums", "n", "s", "ss", "plays", "chosen", "ewma", "ewma_w", "ewma_n", "t",
+                 "last_seen", "block_arm", "block_left", "dwell", "visit_start", "blocks", "shifts",
+                 "prior_read")
 
     def __init__(self, k: int, dwell: float):
-        self.n = np.zeros(k)          # discounted observation counts
-        self.s = np.zeros(k)          # discounted sums of losses
-        self.ss = np.zeros(k)         # discounted sums of squared losses
-        self.plays = np.zeros(k, dtype=np.int64)   # steps each arm ran here (not discounted)
-        self.chosen = np.zeros(k, dtype=np.int64)  # blocks started per arm
-        self.ewma = np.zeros(k)       # recent loss level per arm (change detection): EWMAs of
-        self.ewma_w = np.zeros(k)     # weight x loss and of weight, weighted like the means
-        self.ewma_n = np.zeros(k, dtype=np.int64)
+        # the discounted sums, one array so that a step discounts them in one operation
+        self.sums = np.zeros((3, k))
+        self.n = self.sums[0]         # discounted observation counts
+        self.s = self.sums[1]         # discounted sums of losses
+        self.ss = self.sums[2]        # discounted sums of squared losses
+        self.plays = [0] * k          # steps each arm ran here (not discounted)
+        self.chosen = [0] * k         # blocks started per arm
+        self.ewma = [0.0] * k         # recent loss level per arm (change detection): EWMAs of
+        self.ewma_w = [0.0] * k       # weight x loss and of weight, weighted like the means
+        self.ewma_n = [0] * k
         self.t = 0                    # steps observed in this bin
         self.last_seen = 0            # global step of the last visit
         self.block_arm: int | None = None
@@ -92,6 +102,7 @@ class _Bin:
         self.visit_start = 0          # global step the current visit began
         self.blocks = 0
         self.shifts = 0
+        self.prior_read: tuple | None = None   # (the prior's inputs, its values) last read here
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,8 @@ class ContextualBandit:
     def __init__(self, arms: Sequence[Arm], config: BanditConfig | None = None, *, seed: int = 0,
                  switch_cost: Callable[[Arm, Arm], float] | None = None,
                  prior: Callable[[Context, Arm], float] | None = None,
-                 prior_group: Callable[[Arm], Hashable] | None = None, **settings):
+                 prior_group: Callable[[Arm], Hashable] | None = None,
+                 prior_inputs: Callable[[], Hashable] | None = None, **settings):
         if not arms:
             raise ValueError("the bandit needs at least one arm")
         if len(set(arms)) != len(arms):
@@ -126,9 +138,12 @@ class ContextualBandit:
         self.switch_cost = switch_cost
         self.prior = prior
         self.prior_weight = cfg.prior_weight if prior is not None else 0.0
-        # one membership mask per group of arms that share a calibration of the prior
+        self.prior_inputs = prior_inputs
+        # each arm's group of arms that share a calibration of the prior (by position)
         groups = [prior_group(a) for a in self.arms] if prior_group is not None else []
-        self._prior_groups = [np.array([g == h for h in groups]) for g in dict.fromkeys(groups)]
+        numbering = {g: j for j, g in enumerate(dict.fromkeys(groups))}
+        self._group_of = [numbering[g] for g in groups]
+        self._n_groups = len(numbering)
         self._rng = random.Random(seed)
         self._bins: dict[Context, _Bin] = {}
         self._last_ctx: Context | None = None
@@ -139,7 +154,7 @@ class ContextualBandit:
         self.shifts = 0                   # detected loss changes
         self.stale_resets = 0
         self._last_switch_step = -(10 ** 9)
-        self._plays_total = np.zeros(len(self.arms), dtype=np.int64)
+        self._plays_total = [0] * len(self.arms)
 
     # ------------------------------------------------------------------ bins
 
@@ -151,66 +166,77 @@ class ContextualBandit:
 
     def _shrink(self, b: _Bin, keep: float) -> None:
         """Keep the means, cut the evidence to at most `keep` observations per arm."""
-        f = np.where(b.n > keep, keep / np.maximum(b.n, 1e-12), 1.0)
-        b.n *= f
-        b.s *= f
-        b.ss *= f
+        b.sums *= np.where(b.n > keep, keep / np.maximum(b.n, 1e-12), 1.0)
         b.block_left = 0
 
     # ------------------------------------------------------------------ estimates
 
-    def _priors(self, context: Context, b: _Bin) -> np.ndarray | None:
+    # The estimates below run over Python floats: with tens of arms, numpy's cost per call is
+    # most of a decision's (about 2 microseconds an operation on a busy CPU, 30 of them).
+
+    def _priors(self, context: Context, b: _Bin, n: list, s: list) -> list | None:
+        """Every arm's prior, its scale calibrated to this bin's measurements: observed over
+        predicted loss of the measured arms (a geometric mean weighted by their evidence,
+        clipped to [0.1, 10]), per group where the group has a measured arm, else overall."""
         if self.prior is None:
             return None
-        p = np.array([float(self.prior(context, a)) for a in self.arms])
-        p = np.where(np.isfinite(p) & (p > 0), p, np.nan)
-        seen = (b.n > 1e-9) & ~np.isnan(p)
-        overall = self._calibration(b, p, seen)   # the prior's scale against this bin's measurements
-        scale = np.full(len(self.arms), overall if overall is not None else 1.0)
-        for members in self._prior_groups:
-            ratio = self._calibration(b, p, seen & members)
-            if ratio is not None:
-                scale[members] = ratio
-        return p * scale
+        p = self._read_prior(context, b)
+        groups = self._group_of
+        tot_wlog = tot_w = 0.0
+        g_wlog, g_w = [0.0] * self._n_groups, [0.0] * self._n_groups
+        for i, (ni, pi) in enumerate(zip(n, p)):
+            if ni > 1e-9 and pi == pi and s[i] > 0:        # measured, with a prior (not nan)
+                wlog = ni * math.log(s[i] / ni / pi)
+                tot_wlog += wlog
+                tot_w += ni
+                if groups:
+                    g_wlog[groups[i]] += wlog
+                    g_w[groups[i]] += ni
+        if tot_w == 0:
+            return p
+        overall = _clipped_ratio(tot_wlog, tot_w)
+        ratio = [_clipped_ratio(g_wlog[g], g_w[g]) if g_w[g] > 0 else overall
+                 for g in range(self._n_groups)]
+        if groups:
+            return [pi * ratio[g] for pi, g in zip(p, groups)]
+        return [pi * overall for pi in p]
 
-    @staticmethod
-    def _calibration(b: _Bin, p: np.ndarray, seen: np.ndarray) -> float | None:
-        """Observed over predicted loss of the `seen` arms (geometric mean, weighted by their
-        evidence, clipped to [0.1, 10]); None when none is measured."""
-        if not seen.any():
-            return None
-        obs = b.s[seen] / b.n[seen]
-        ok = obs > 0
-        if not ok.any():
-            return None
-        w = b.n[seen][ok]
-        ratio = math.exp(float(np.sum(w * np.log(obs[ok] / p[seen][ok])) / np.sum(w)))
-        return min(max(ratio, 0.1), 10.0)
+    def _read_prior(self, context: Context, b: _Bin) -> list:
+        """The prior of every arm in this bin (nan where it has none), read again only when its
+        inputs changed."""
+        inputs = self.prior_inputs() if self.prior_inputs is not None else None
+        if inputs is not None and b.prior_read is not None and b.prior_read[0] == inputs:
+            return b.prior_read[1]
+        p = []
+        for a in self.arms:
+            v = float(self.prior(context, a))
+            p.append(v if math.isfinite(v) and v > 0 else math.nan)
+        if inputs is not None:
+            b.prior_read = (inputs, p)
+        return p
 
     def _estimates(self, context: Context, b: _Bin):
-        """(means, counts, sigma, known) for every arm of the bin."""
-        p = self._priors(context, b)
-        n, s = b.n, b.s
+        """(means, counts, sigma, known) for every arm of the bin (lists, in the arms' order)."""
+        n, s, ss = b.n.tolist(), b.s.tolist(), b.ss.tolist()
+        p = self._priors(context, b, n, s)
         if p is not None:
-            has_p = ~np.isnan(p)
-            w0 = np.where(has_p, self.prior_weight, 0.0)
-            cnt = n + w0
-            tot = s + w0 * np.nan_to_num(p)
+            w0 = self.prior_weight
+            cnt = [ni + w0 if pi == pi else ni for ni, pi in zip(n, p)]
+            tot = [si + w0 * pi if pi == pi else si for si, pi in zip(s, p)]
         else:
             cnt, tot = n, s
-        known = cnt > 0
-        means = np.where(known, tot / np.where(known, cnt, 1.0), np.inf)
+        known = [c > 0 for c in cnt]
+        means = [t / c if c > 0 else math.inf for t, c in zip(tot, cnt)]
         # pooled noise of the bin, shrunk towards `noise_prior` x best mean while evidence is thin
-        obs = n > 1e-9
-        best = float(np.min(means[known])) if known.any() else 1.0
+        best = min((m for m, k in zip(means, known) if k), default=1.0)
         scale = abs(best) if math.isfinite(best) and best != 0 else 1.0
-        if obs.any():
-            resid = float(np.sum(np.maximum(b.ss[obs] - b.s[obs] ** 2 / n[obs], 0.0)))
-            dof = max(float(np.sum(n[obs])) - float(np.count_nonzero(obs)), 0.0)
-        else:
-            resid, dof = 0.0, 0.0
+        resid = dof = 0.0
+        for ni, si, ssi in zip(n, s, ss):
+            if ni > 1e-9:
+                resid += max(ssi - si * si / ni, 0.0)
+                dof += ni - 1.0
         k0 = 2.0
-        var = (resid + k0 * (self.config.noise_prior * scale) ** 2) / (dof + k0)
+        var = (resid + k0 * (self.config.noise_prior * scale) ** 2) / (max(dof, 0.0) + k0)
         sigma = max(math.sqrt(var), self.config.noise_floor * scale)
         return means, cnt, sigma, known
 
@@ -220,15 +246,16 @@ class ContextualBandit:
 
     def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None) -> int:
         means, cnt, sigma, known = self._estimates(context, b)
-        candidates = range(len(self.arms)) if allowed is None else sorted(allowed)
+        k = len(self.arms)
+        candidates = range(k) if allowed is None else sorted(allowed)
         untried = [i for i in candidates if not known[i]]
         if untried:
             return self._rng.choice(untried)
-        total = float(np.sum(cnt))
-        bonus = self.config.explore * sigma * np.sqrt(2.0 * math.log(max(total, math.e)) / np.maximum(cnt, 1e-300))
-        index = means - bonus
+        spread = 2.0 * math.log(max(sum(cnt), math.e))
+        width = self.config.explore * sigma
+        index = [m - width * math.sqrt(spread / max(c, 1e-300)) for m, c in zip(means, cnt)]
         if allowed is not None:
-            index[[i for i in range(len(self.arms)) if i not in allowed]] = np.inf
+            index = [x if i in allowed else math.inf for i, x in enumerate(index)]
         cur = self._index.get(self.current) if self.current is not None else None
         if cur is not None and self.config.hysteresis > 0 and math.isfinite(means[cur]):
             index[cur] -= self.config.hysteresis * abs(means[cur])
@@ -240,12 +267,12 @@ class ContextualBandit:
                     c = float(self.switch_cost(self.current, a))
                     if c > 0:
                         index[i] += c / horizon
-        best = float(np.min(index))
-        ties = [i for i in np.flatnonzero(index <= best + 1e-15 * max(abs(best), 1e-300))
-                if allowed is None or i in allowed]
+        best = min(index)
+        tie = best + 1e-15 * max(abs(best), 1e-300)
+        ties = [i for i, x in enumerate(index) if x <= tie and (allowed is None or i in allowed)]
         if cur is not None and cur in ties:
             return cur
-        return int(ties[0])
+        return ties[0]
 
     # ------------------------------------------------------------------ API
 
@@ -327,14 +354,10 @@ class ContextualBandit:
         i = self._index[arm]
         b = self._bin(context)
         if self.config.discount < 1.0:
-            d = self.config.discount
-            b.n *= d
-            b.s *= d
-            b.ss *= d
+            b.sums *= self.config.discount
         b.t += 1
-        b.n[i] += w
-        b.s[i] += w * loss
-        b.ss[i] += w * loss * loss
+        n, s, ss = float(b.n[i]) + w, float(b.s[i]) + w * loss, float(b.ss[i]) + w * loss * loss
+        b.n[i], b.s[i], b.ss[i] = n, s, ss
         b.plays[i] += 1
         self._plays_total[i] += 1
         # change detection on the arm that ran
@@ -345,10 +368,9 @@ class ContextualBandit:
             b.ewma[i] += a * (w * loss - b.ewma[i])
             b.ewma_w[i] += a * (w - b.ewma_w[i])
         b.ewma_n[i] += 1
-        n = b.n[i]
         if b.ewma_n[i] >= 2.0 / a and n >= self.config.detect_min_n:
-            m = b.s[i] / n
-            sd = math.sqrt(max(b.ss[i] / n - m * m, 0.0))
+            m = s / n
+            sd = math.sqrt(max(ss / n - m * m, 0.0))
             thr = max(self.config.detect_sigmas * sd * math.sqrt(a / (2.0 - a)), self.config.detect_rel * abs(m))
             if abs(b.ewma[i] / b.ewma_w[i] - m) > thr:
                 self._on_shift(b, i)
@@ -359,7 +381,7 @@ class ContextualBandit:
         # the changed arm: its old mean is wrong; believe the recent level, weakly
         k = self.config.shrink_to
         b.n[i], b.s[i], b.ss[i] = k, k * level, k * level * level
-        b.ewma_n[:] = 0
+        b.ewma_n = [0] * len(self.arms)
         b.shifts += 1
         self.shifts += 1
 
@@ -373,9 +395,9 @@ class ContextualBandit:
         return self._best_of(*self._estimates(context, b))
 
     def _best_of(self, means, _cnt, _sigma, known) -> Arm | None:
-        if not known.any():
+        if not any(known):
             return None
-        return self.arms[int(np.argmin(np.where(known, means, np.inf)))]
+        return self.arms[min(range(len(self.arms)), key=means.__getitem__)]
 
     def means(self, context: Context) -> dict:
         """{arm: (estimated mean loss, evidence)} for the arms known in `context`."""

@@ -128,7 +128,9 @@ class OffloadCheck:
 
     def observe(self, wall_s: float, tokens: int) -> None:
         self.steps += 1
-        if self.steps > self.settle_steps:
+        # the window only: once given, the verdict is final (the steps after it are at whatever
+        # batch the load has moved to, and must not reverse a verdict already acted on)
+        if self.settle_steps < self.steps <= self.settle_steps + self.verify_steps:
             self._wall += wall_s
             self._tokens += tokens
 

@@ -97,7 +97,10 @@ class Planner:
                        if cost_profile is not None else None)
         self.bandit = ContextualBandit(self.arms, cfg.bandit, seed=seed,
                                        switch_cost=self._switch_cost, prior=self._prior,
-                                       prior_group=arm_mode)
+                                       prior_group=arm_mode,
+                                       prior_inputs=self._prior.inputs if self._prior else None)
+        self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
+        self._turn_on: tuple[int, float] = (-1, 0.0)   # (step, a turn-on's cost in loss units)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)
@@ -260,9 +263,17 @@ class Planner:
 
     def _switch_cost(self, a_from: Arm, a_to: Arm) -> float:
         """The bandit's switching cost, in loss units (summed per-token latencies): the
-        drafter's catch-up (and reload) when a drafter arm follows one without."""
-        if Mode(a_from[0]).uses_drafter or not Mode(a_to[0]).uses_drafter:
+        drafter's catch-up (and reload) when a drafter arm follows one without. One value per
+        step for every drafter arm (the bandit asks for each)."""
+        if a_from in self._drafter_arms or a_to not in self._drafter_arms:
             return 0.0
+        step, cost = self._turn_on
+        if step != self.steps:
+            cost = self._turn_on_loss()
+            self._turn_on = (self.steps, cost)
+        return cost
+
+    def _turn_on_loss(self) -> float:
         c = self.estimated_switch_cost_s()
         if c <= 0:
             return 0.0

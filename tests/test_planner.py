@@ -185,6 +185,73 @@ def test_a_prior_that_misses_one_modes_cost_is_corrected_for_all_its_gammas():
     assert spec_steps[True] <= 0.5 * spec_steps[False], spec_steps
 
 
+def test_the_bandit_reads_the_prior_again_only_when_its_inputs_change():
+    """A decision reads every arm's prior; with ``prior_inputs`` a bin reads it once per change
+    of those inputs and otherwise decides exactly as a bandit that reads it every time."""
+    f = lambda c, a, t: 1.0 + 0.15 * abs(a - 3)           # noqa: E731
+    reads, inputs = [], {"alpha": 0.6}
+    def prior(c, a):
+        reads.append(a)
+        return f(c, a, 0) * (1.0 + inputs["alpha"])
+    played = {}
+    for cached in (False, True):
+        reads.clear()
+        inputs["alpha"] = 0.6
+        b = ContextualBandit(ARMS6, seed=0, prior=prior,
+                             prior_inputs=(lambda: inputs["alpha"]) if cached else None)
+        first, _ = simulate(b, f, 300, seed=0)
+        reads_before_change = len(reads)
+        inputs["alpha"] = 0.7                              # what the prior is computed from moved
+        second, _ = simulate(b, f, 300, seed=1)
+        played[cached] = first + second
+        if cached:
+            assert reads_before_change == len(ARMS6)       # one reading for all its decisions
+            assert len(reads) == 2 * len(ARMS6)           # and one more after the change
+        else:
+            assert reads_before_change > 5 * len(ARMS6)
+    assert played[True] == played[False]
+
+
+def test_the_acceptance_is_inverted_again_only_for_the_gamma_that_moved(monkeypatch):
+    import planner.acceptance as acceptance
+    inverted = []
+    real = acceptance.alpha_for_tokens_per_call
+    monkeypatch.setattr(acceptance, "alpha_for_tokens_per_call",
+                        lambda e, g: inverted.append(g) or real(e, g))
+    est = acceptance.AcceptanceEstimate(0.6)
+    for g in (2, 4):
+        for _ in range(8):
+            est.observe_sd(g, 3 * expected_tokens_per_call(0.7, g), 3)
+    est.alpha()
+    assert sorted(inverted) == [2, 4]
+    for _ in range(8):
+        est.observe_sd(4, 3 * expected_tokens_per_call(0.5, 4), 3)
+    inverted.clear()
+    alpha = est.alpha()
+    assert inverted == [4]
+    expected = (real(est._e_hat[2], 2) + real(est._e_hat[4], 4)) / 2
+    assert alpha == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_decision_prices_the_drafters_turn_on_once_for_all_its_arms(monkeypatch):
+    """The turn-on's cost is the same for every drafter arm: a decision after plain decoding
+    estimates it once, not once per arm the bandit weighs."""
+    p = Planner(gamma_max=8, psd_available=True, cost_profile=profile(), seed=0)
+    eng = FakeEngine(p, seed=0)
+    for _ in range(50):
+        eng.step(96)                                   # plain decoding: the drafter falls behind
+    estimates = []
+    real = p.estimated_switch_cost_s
+    monkeypatch.setattr(p, "estimated_switch_cost_s", lambda *a: estimates.append(1) or real(*a))
+    decisions = 0
+    for _ in range(400):
+        before = len(estimates)
+        d, _, _ = eng.step(2)
+        assert len(estimates) - before <= 1
+        decisions += len(estimates) > before
+    assert decisions >= 3 and p.mode_switches >= 1     # it was asked, and it did switch
+
+
 def test_min_hold_spaces_switches():
     b = ContextualBandit(ARMS6, seed=0, min_hold=8, block_growth=1.0)
     played, _ = simulate(b, two_contexts, 3000, context=lambda t: (t // 3) % 2)
@@ -650,6 +717,21 @@ def test_an_offloaded_drafters_demand_gate_is_weighed_every_few_steps_and_still_
     eng.demand_tok_s = 0.2 / per_token_spec               # demand falls: speculation comes back
     waited = next(i for i in range(100) if eng.step(2) and eng.reloads)
     assert waited < cfg.gain_check_every
+
+
+def test_an_offloads_verdict_is_final_once_its_window_is_measured():
+    """The verdict is plain decoding's per-token latency over the window after the offload; the
+    steps after it (the load moved on, e.g. to a small batch whose tokens cost more each) must
+    not turn a paid offload into a missed one, which would end the hold it justified."""
+    from planner.offload_policy import OffloadCheck
+    chk = OffloadCheck(baseline_s_per_token=0.010, settle_steps=4, verify_steps=8)
+    for _ in range(12):
+        chk.observe(0.040, 8)                 # 5 ms a token: paid
+    assert chk.verdict is True
+    delivered = chk.delivered_s_per_token
+    for _ in range(500):
+        chk.observe(0.030, 1)                 # 30 ms a token at batch 1, long after the window
+    assert chk.verdict is True and chk.delivered_s_per_token == delivered
 
 
 @pytest.mark.parametrize("growth, report", [(1.2, True), (1.75, False)])
