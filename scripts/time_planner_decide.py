@@ -2,14 +2,16 @@
 """Time the planner's decision alone (planner/planner.py, Planner.decide + observe): what mode
 auto adds to every engine step, in the worst case of a new batch-size bin almost every step.
 
-    .venv/bin/python scripts/time_planner_decide.py [--steps 4000] [--gamma-max 8] [--seed 0]
+    .venv/bin/python scripts/time_planner_decide.py [--steps 4000] [--gamma-max 8] [--seed 0] [--json PATH]
 
-Prints the median and 99th percentile of decide, and of observe, in microseconds. The cost
-profile is synthetic (linear in batch and tokens), as in tests/test_planner.py.
+Prints the median and 99th percentile of decide, and of observe, in microseconds (with --json,
+also writes them there). The cost profile is synthetic (linear in batch and tokens), as in
+tests/test_planner.py.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -34,6 +36,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--gamma-max", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = p.parse_args()
     planner = Planner(gamma_max=args.gamma_max, psd_available=True, cost_profile=synthetic_profile(),
                       seed=args.seed)
@@ -48,10 +51,14 @@ def main() -> int:
         t2 = time.perf_counter()
         decide_s.append(t1 - t0)
         observe_s.append(t2 - t1)
+    report = {"steps": args.steps, "gamma_max": args.gamma_max, "seed": args.seed}
     for name, xs in (("decide", decide_s), ("observe", observe_s)):
         xs = sorted(xs)
-        print(f"{name}: median {statistics.median(xs) * 1e6:.0f} us, "
-              f"p99 {xs[int(0.99 * (len(xs) - 1))] * 1e6:.0f} us over {len(xs)} steps")
+        median_us, p99_us = statistics.median(xs) * 1e6, xs[int(0.99 * (len(xs) - 1))] * 1e6
+        report[name] = {"median_us": median_us, "p99_us": p99_us}
+        print(f"{name}: median {median_us:.0f} us, p99 {p99_us:.0f} us over {len(xs)} steps")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
