@@ -48,9 +48,11 @@ class AcceptanceEstimate:
     def _alpha_uncached(self) -> float:
         if not self._e_hat:
             return self.alpha_prior
-        vals = [self._alpha_of[g] if g in self._alpha_of
-                else self._alpha_of.setdefault(g, alpha_for_tokens_per_call(e, g))
-                for g, e in self._e_hat.items()]
+        vals = []
+        for g, e in self._e_hat.items():
+            if g not in self._alpha_of:
+                self._alpha_of[g] = alpha_for_tokens_per_call(e, g)
+            vals.append(self._alpha_of[g])
         return min(max(sum(vals) / len(vals), 0.01), 0.99)
 
 
