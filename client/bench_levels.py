@@ -76,18 +76,19 @@ def run_levels_cli(args) -> int:
         raise ValueError("--repeats must be >= 1")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: list[dict] = []
+    profiles: dict[str, dict] = {}     # the cost profile each in-process auto engine started from
 
     def record(run: dict) -> None:
         """Keep a run and rewrite the result file, so a failure later keeps what was measured."""
         runs.append(run)
         _progress(run)
-        write_report(args, runs, complete=False)
+        write_report(args, runs, complete=False, profiles=profiles)
 
     if "in-process" in paths:
-        measure_in_process(args, names, levels, record)
+        measure_in_process(args, names, levels, record, profiles)
     if "server" in paths:
         measure_on_server(args, names, levels, record)
-    rows = write_report(args, runs, complete=True)
+    rows = write_report(args, runs, complete=True, profiles=profiles)
     print(format_table(rows))
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
     draw(rows, plot)
@@ -95,13 +96,16 @@ def run_levels_cli(args) -> int:
     return 0
 
 
-def write_report(args, runs: list[dict], complete: bool) -> list[dict]:
-    """Write the result file (`complete` false while runs are still coming); returns its rows."""
+def write_report(args, runs: list[dict], complete: bool, profiles: dict | None = None) -> list[dict]:
+    """Write the result file (`complete` false while runs are still coming); returns its rows.
+    `profiles`: the cost profile each in-process auto engine's planner started from (its prior
+    orders the arms until they are measured, so a run's exploration can be read against it)."""
     rows = summarise(runs)
     report = {"complete": complete, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "gamma": args.gamma, "target": args.target, "drafter": args.drafter, "repeats": args.repeats,
               "server_client": args.server_client, "cores": sorted(os.sched_getaffinity(0)),
-              "torch": torch.__version__, "runs": runs, "rows": rows}
+              "torch": torch.__version__, "planner_cost_profiles": profiles or {}, "runs": runs,
+              "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.json).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=1))
@@ -113,10 +117,13 @@ def _rotated(names: list[str], rep: int) -> list[str]:
     return names[rep % len(names):] + names[:rep % len(names)]
 
 
-def measure_in_process(args, names: list[str], levels: list[int], record) -> None:
+def measure_in_process(args, names: list[str], levels: list[int], record, profiles: dict) -> None:
     cores = sorted(os.sched_getaffinity(0))
     engines = build_engines(args, names)
     try:
+        for name, (engine, _) in engines.items():
+            if engine.planner is not None and engine.planner.cost_profile is not None:
+                profiles[name] = engine.planner.cost_profile.to_dict()
         for engine, placement in engines.values():     # compiles its graphs, not measured
             run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6,
                       temperature=args.temperature)

@@ -73,6 +73,10 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
         assert row["auto_over_best_fixed"] == pytest.approx(tok["auto"] / tok[best])
     (auto_row,) = [r for r in report["rows"] if r["path"] == "in-process"]
     assert sum(auto_row["auto_arm_shares"].values()) == pytest.approx(1.0)   # its steps were counted
+    # the cost profile auto's planner started from (its calibration at startup), for reading
+    # its exploration against; the fixed configurations have none
+    assert list(report["planner_cost_profiles"]) == ["auto"]
+    assert report["planner_cost_profiles"]["auto"]["verify"] and report["planner_cost_profiles"]["auto"]["draft"]
     assert "auto/best" in proc.stdout
     assert out.with_suffix(".png").is_file()
 
