@@ -18,6 +18,14 @@ once (one tritonserver each, idle while another is measured) and measured in the
 order, by perf_analyzer (C++, light on the shared cores; the default) or by this process's gRPC
 streams (``--server-client python``); the server's throughput is its own generated-token
 counter over the measured wall time.
+
+Each level starts with a warm-up for every configuration alike: ``--warmup-requests-per-level``
+x concurrency requests at that level's own concurrency, not counted in the table. A level is
+a fixed load, and the table compares what each configuration sustains under it, as a server
+under that load runs for hours; a level's measured runs are 50-160 engine steps, too short to
+amortise the first probes auto's planner makes in a batch size it has not seen. The warm-up's
+runs are kept in the result file (``"warmup": true``, with auto's arms), so what that first
+pass cost is on record; `bench dynamic` measures auto across changes of load.
 """
 from __future__ import annotations
 
@@ -50,6 +58,9 @@ def add_levels_parser(bench_sub) -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--requests-per-level", type=float, default=2.0,
                    help="requests per run = this x concurrency (at least 8)")
+    p.add_argument("--warmup-requests-per-level", type=float, default=1.0,
+                   help="unmeasured requests per configuration before each level = this x concurrency "
+                        "(at least 4), at that level's concurrency; 0: no warm-up")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default=None, help='a prompts file, or a bundled set: "heldout" (default)')
@@ -74,6 +85,8 @@ def run_levels_cli(args) -> int:
         raise ValueError(f"--paths: choose from {PATHS}, got {args.paths!r}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    if args.warmup_requests_per_level < 0:
+        raise ValueError("--warmup-requests-per-level must be >= 0")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: list[dict] = []
     profiles: dict[str, dict] = {}     # the cost profile each in-process auto engine started from
@@ -129,14 +142,15 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
                       temperature=args.temperature)
         for level in levels:
             prompts = load_prompts(args.prompts, max(8, int(args.requests_per_level * level)))
-            for rep in range(args.repeats):
-                for name in _rotated(names, rep):
+            warmup = load_prompts(args.prompts, warmup_requests(args, level))
+            for rep in [WARMUP] * bool(warmup) + list(range(args.repeats)):
+                for name in _rotated(names, max(rep, 0)):
                     engine, placement = engines[name]
                     before = _arm_counts(engine)
-                    r = run_level(engine, placement, prompts, concurrency=level,
+                    r = run_level(engine, placement, warmup if rep == WARMUP else prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
-                    run = {"path": "in-process", "config": name, "concurrency": level, "repeat": rep,
-                           "tokens_per_s": r["tokens_per_s"], "mean_latency_s": r["mean_latency_s"]}
+                    run = _run_record("in-process", name, level, rep, r["tokens_per_s"])
+                    run["mean_latency_s"] = r["mean_latency_s"]
                     if engine.planner is not None:
                         run["arm_steps"] = _steps_since(before, _arm_counts(engine))
                     record(run)
@@ -144,6 +158,22 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
         for engine, _ in engines.values():
             engine.close()
         os.sched_setaffinity(0, cores)
+
+
+WARMUP = -1      # the repeat number of a level's warm-up run
+
+
+def warmup_requests(args, level: int) -> int:
+    """Requests of a level's warm-up per configuration (0: none)."""
+    w = args.warmup_requests_per_level
+    return max(4, int(w * level)) if w > 0 else 0
+
+
+def _run_record(path: str, name: str, level: int, rep: int, tokens_per_s: float) -> dict:
+    run = {"path": path, "config": name, "concurrency": level, "repeat": rep, "tokens_per_s": tokens_per_s}
+    if rep == WARMUP:
+        run["warmup"] = True
+    return run
 
 
 def _arm_counts(engine) -> dict[str, int]:
@@ -178,12 +208,15 @@ def measure_on_server(args, names: list[str], levels: list[int], record) -> None
             served[name] = stack.enter_context(serving(engine_config(name, args)[0], prompts[:2], args.temperature))
         for level in levels:
             n = max(8, int(args.requests_per_level * level))
-            for rep in range(args.repeats):
-                for name in _rotated(names, rep):
+            warmup = load_prompts(args.prompts, warmup_requests(args, level))
+            for rep in [WARMUP] * bool(warmup) + list(range(args.repeats)):
+                for name in _rotated(names, max(rep, 0)):
                     s = served[name]
                     before = scrape_metrics(s.metrics_url, MODEL)
                     t0 = time.perf_counter()
-                    if args.server_client == "perf_analyzer":
+                    if rep == WARMUP:     # a fixed number of requests, from this process's streams
+                        drive(s.client, warmup, level, args)
+                    elif args.server_client == "perf_analyzer":
                         drive_perf_analyzer(s.client.url, level, args)
                     else:
                         drive(s.client, prompts[:n], level, args)
@@ -192,18 +225,22 @@ def measure_on_server(args, names: list[str], levels: list[int], record) -> None
                     after = scrape_metrics(s.metrics_url, MODEL)
                     made = after.get("nightdraft_generation_tokens_total", 0) - \
                         before.get("nightdraft_generation_tokens_total", 0)
-                    record({"path": "server", "config": name, "concurrency": level, "repeat": rep,
-                            "tokens_per_s": made / wall, "client": args.server_client})
+                    run = _run_record("server", name, level, rep, made / wall)
+                    run["client"] = "python" if rep == WARMUP else args.server_client
+                    record(run)
 
 
 def _progress(run: dict) -> None:
-    print(f"  {run['path']:<10} c={run['concurrency']:>3} {run['config']:<8} [{run['repeat'] + 1}] "
+    rep = "warm-up" if run.get("warmup") else run["repeat"] + 1
+    print(f"  {run['path']:<10} c={run['concurrency']:>3} {run['config']:<8} [{rep}] "
           f"{run['tokens_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
 
 
 def summarise(runs: list[dict]) -> list[dict]:
     """One row per path and concurrency: each configuration's median throughput (and its range),
-    the best fixed configuration, and auto against it and against plain decoding on every core."""
+    the best fixed configuration, and auto against it and against plain decoding on every core.
+    Warm-up runs are left out of the figures; auto's arms in its warm-up are reported apart."""
+    warmups, runs = [r for r in runs if r.get("warmup")], [r for r in runs if not r.get("warmup")]
     rows = []
     for path in dict.fromkeys(r["path"] for r in runs):
         for level in dict.fromkeys(r["concurrency"] for r in runs if r["path"] == path):
@@ -227,6 +264,12 @@ def summarise(runs: list[dict]) -> list[dict]:
             shares = arm_shares([r for r in mine if r["config"] == ADAPTIVE])
             if shares:
                 row["auto_arm_shares"] = shares
+            warm = {r["config"]: r for r in warmups if r["path"] == path and r["concurrency"] == level}
+            if ADAPTIVE in warm and fixed and best in warm:    # the first pass at this load
+                row["warmup_auto_over_best_fixed"] = warm[ADAPTIVE]["tokens_per_s"] / warm[best]["tokens_per_s"]
+            shares = arm_shares([warm[ADAPTIVE]] if ADAPTIVE in warm else [])
+            if shares:
+                row["auto_warmup_arm_shares"] = shares
             rows.append(row)
     return rows
 
@@ -247,7 +290,9 @@ def format_table(rows: list[dict]) -> str:
         ratio = lambda k: f"{r[k]:.2f}" if k in r else "-"
         lines.append(f"{r['path']:<10} {r['concurrency']:>4} {cells} {r.get('best_fixed', '-'):>10} "
                      f"{ratio('auto_over_best_fixed'):>9} {ratio('auto_over_ar_all_cores'):>8}"
-                     + (f"  auto played {_top_arms(r['auto_arm_shares'])}" if "auto_arm_shares" in r else ""))
+                     + (f"  auto played {_top_arms(r['auto_arm_shares'])}" if "auto_arm_shares" in r else "")
+                     + (f"  (warm-up: auto/best {r['warmup_auto_over_best_fixed']:.2f}, played "
+                        f"{_top_arms(r.get('auto_warmup_arm_shares', {}))})" if "warmup_auto_over_best_fixed" in r else ""))
     return "\n".join(lines)
 
 

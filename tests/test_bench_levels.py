@@ -51,6 +51,22 @@ def test_auto_arm_shares_add_up_the_steps_of_its_repeats():
     assert "auto played psd:2:50% ar:40% sd:4:10%" in format_table([row])
 
 
+def test_a_levels_warm_up_is_left_out_of_its_figures_and_reported_apart():
+    warm = {"repeat": -1, "warmup": True}
+    runs = [_run("in-process", "ar-2dev", 4, -1, 50.0) | warm,
+            _run("in-process", "auto", 4, -1, 20.0) | warm | {"arm_steps": {"sd:2": 30, "ar": 10}},
+            _run("in-process", "ar-2dev", 4, 0, 100.0),
+            _run("in-process", "auto", 4, 0, 99.0) | {"arm_steps": {"ar": 40}}]
+    (row,) = summarise(runs)
+    assert row["tokens_per_s"] == {"ar-2dev": 100.0, "auto": 99.0}
+    assert row["range"]["auto"] == [99.0, 99.0]
+    assert row["auto_over_best_fixed"] == pytest.approx(0.99)
+    assert row["auto_arm_shares"] == {"ar": 1.0}
+    assert row["warmup_auto_over_best_fixed"] == pytest.approx(0.4)     # auto's first pass at this load
+    assert row["auto_warmup_arm_shares"] == pytest.approx({"sd:2": 0.75, "ar": 0.25})
+    assert "warm-up: auto/best 0.40, played sd:2:75% ar:25%" in format_table([row])
+
+
 @pytest.mark.slow
 def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, tritonserver_runnable):
     out = tmp_path / "levels.json"
@@ -62,10 +78,13 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["complete"] is True
-    assert {(r["path"], r["config"]) for r in report["runs"]} == {
-        (p, c) for p in ("in-process", "server") for c in ("ar-2dev", "sd", "auto")}
+    # each configuration warmed at the level's concurrency first (4 requests), then measured once
+    assert sorted((r["path"], r["config"], r.get("warmup", False)) for r in report["runs"]) == sorted(
+        (p, c, w) for p in ("in-process", "server") for c in ("ar-2dev", "sd", "auto") for w in (True, False))
     assert all(r["tokens_per_s"] > 0 for r in report["runs"])
-    assert {r["client"] for r in report["runs"] if r["path"] == "server"} == {"perf_analyzer"}
+    # measured by perf_analyzer; a warm-up is a fixed number of requests from gRPC streams
+    assert {(r["client"], r.get("warmup", False)) for r in report["runs"] if r["path"] == "server"} == {
+        ("perf_analyzer", False), ("python", True)}
     for row in report["rows"]:
         tok = row["tokens_per_s"]
         best = max(("ar-2dev", "sd"), key=tok.get)
@@ -84,8 +103,7 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
 @pytest.mark.slow
 def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path, tritonserver_runnable):
     """The result file is rewritten after every run: when the server path fails (here
-    perf_analyzer is missing), the in-process runs already measured are on disk, marked
-    incomplete."""
+    perf_analyzer is missing), the runs already measured are on disk, marked incomplete."""
     out = tmp_path / "levels.json"
     proc = subprocess.run(
         [sys.executable, "-m", "client.cli", "bench", "levels", "--configs", "ar-2dev",
@@ -96,5 +114,7 @@ def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path
     assert "perf_analyzer failed" in proc.stderr
     report = json.loads(out.read_text())
     assert report["complete"] is False
-    assert [(r["path"], r["config"]) for r in report["runs"]] == [("in-process", "ar-2dev")]
+    assert [(r["path"], r["config"], r.get("warmup", False)) for r in report["runs"]] == [
+        ("in-process", "ar-2dev", True), ("in-process", "ar-2dev", False),
+        ("server", "ar-2dev", True)]         # the server's warm-up (gRPC streams) ran before it failed
     assert report["rows"][0]["tokens_per_s"]["ar-2dev"] > 0
