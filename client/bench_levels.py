@@ -223,11 +223,22 @@ def measure_on_server(args, names: list[str], levels: list[int], record) -> None
                     wall = time.perf_counter() - t0
                     time.sleep(0.5)        # the engine-wide counters are refreshed when it goes idle
                     after = scrape_metrics(s.metrics_url, MODEL)
-                    made = after.get("nightdraft_generation_tokens_total", 0) - \
-                        before.get("nightdraft_generation_tokens_total", 0)
-                    run = _run_record("server", name, level, rep, made / wall)
+                    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    run = _run_record("server", name, level, rep,
+                                      delta.get("nightdraft_generation_tokens_total", 0) / wall)
                     run["client"] = "python" if rep == WARMUP else args.server_client
+                    # what the engine did meanwhile (the planner's arms are not exported)
+                    run["engine"] = {short: delta.get(metric, 0) for short, metric in SERVER_COUNTERS.items()}
                     record(run)
+
+
+SERVER_COUNTERS = {"steps": "nightdraft_engine_steps_total",
+                   "psd_steps": "nightdraft_psd_steps_total",
+                   "draft_tokens": "nightdraft_spec_decode_draft_tokens_total",
+                   "accepted_tokens": "nightdraft_spec_decode_accepted_tokens_total",
+                   "catchup_tokens": "nightdraft_drafter_catchup_tokens_total",
+                   "planner_switches": "nightdraft_planner_switches_total",
+                   "offloads": "nightdraft_drafter_offloads_total"}
 
 
 def _progress(run: dict) -> None:

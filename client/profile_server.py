@@ -22,8 +22,12 @@ from pathlib import Path
 from client.bench_serve import scrape_metrics
 from client.dynamic_server import MODEL, serving
 
-# perf_analyzer's words when no request finished inside a measurement window
+# perf_analyzer's words when no request finished inside a measurement window, and when some
+# window saw none finish (its throughput 0: no stability percentage passes): both say a window
+# shorter than a request's life, as at high concurrency on a slow host
 NOTHING_RECORDED = "No valid requests recorded"
+UNSTABLE = "Failed to obtain stable measurement"
+WINDOW_TOO_SHORT = (NOTHING_RECORDED, UNSTABLE)
 
 
 def engine_config(args, name: str) -> dict:
@@ -49,11 +53,17 @@ def drive(client, prompts: list[str], conc: int, args) -> tuple[float, int]:
     return time.perf_counter() - t0, len(prompts) * args.max_tokens
 
 
+def window_too_short(perf_analyzer_output: str) -> bool:
+    """Did perf_analyzer fail because its window is shorter than a request's life?"""
+    return any(words in perf_analyzer_output for words in WINDOW_TOO_SHORT)
+
+
 def drive_perf_analyzer(grpc_url: str, conc: int, args, retries: int = 2) -> float:
     """perf_analyzer at `conc` streams for three windows of ``--pa-window-s``; returns the wall
     time it ran (the caller reads the tokens from the server's counters around it, so a retry's
-    tokens and time both count). When no request completed inside a window (a slow host, a high
-    concurrency), it runs again with a window twice as long, up to `retries` times."""
+    tokens and time both count). When no request completed inside a window, or a window saw
+    none complete so that no measurement was stable (a slow host, a high concurrency), it runs
+    again with a window twice as long, up to `retries` times."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "perf_analyzer.sh"
     out = Path(args.json).with_suffix(f".pa-c{conc}.json")
     window_s = args.pa_window_s
@@ -66,12 +76,12 @@ def drive_perf_analyzer(grpc_url: str, conc: int, args, retries: int = 2) -> flo
         res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"PYTHON": sys.executable})
         if res.returncode == 0:
             break
-        if NOTHING_RECORDED not in res.stdout + res.stderr or attempt == retries:
+        if not window_too_short(res.stdout + res.stderr) or attempt == retries:
             # perf_analyzer prints the reason first, then its whole usage text
             raise RuntimeError(f"perf_analyzer failed ({res.returncode}): {res.stderr[:1500]}\n"
                                f"... {res.stdout[-1000:]}")
         window_s *= 2
-        print(f"perf_analyzer recorded no request in its window at concurrency {conc}; "
+        print(f"perf_analyzer found its window too short at concurrency {conc}; "
               f"again with a {window_s:g} s window", file=sys.stderr, flush=True)
     return time.perf_counter() - t0
 

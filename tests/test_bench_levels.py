@@ -85,6 +85,10 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
     # measured by perf_analyzer; a warm-up is a fixed number of requests from gRPC streams
     assert {(r["client"], r.get("warmup", False)) for r in report["runs"] if r["path"] == "server"} == {
         ("perf_analyzer", False), ("python", True)}
+    server_runs = [r for r in report["runs"] if r["path"] == "server"]
+    assert all(r["engine"]["steps"] > 0 for r in server_runs)     # the engine's counters around each run
+    assert all(r["engine"]["draft_tokens"] > 0 for r in server_runs if r["config"] == "sd")
+    assert all(r["engine"]["draft_tokens"] == 0 for r in server_runs if r["config"] == "ar-2dev")
     for row in report["rows"]:
         tok = row["tokens_per_s"]
         best = max(("ar-2dev", "sd"), key=tok.get)

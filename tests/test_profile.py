@@ -95,3 +95,16 @@ def test_bench_profile_drives_the_server_with_perf_analyzer(tmp_path):
     assert len(served) == 1 and served[0]["client"] == "perf_analyzer"
     assert served[0]["tokens_per_s"] > 0 and served[0]["mean_step_ms"] > 0
     assert out.with_suffix(".pa-c2.json").is_file(), "perf_analyzer's own export is kept beside the result"
+
+
+def test_perf_analyzer_failures_of_a_too_short_window_are_told_from_others():
+    """What the driver retries with a longer window: perf_analyzer's own words (as it printed
+    them at concurrency 64 on this host) for a window in which no request finished, or in which
+    some window saw none finish; anything else (a server down, a bad flag) fails at once."""
+    from client.profile_server import window_too_short
+    assert window_too_short("Thread [0] had error: No valid requests recorded within time interval. "
+                            "Please use a larger time window.")
+    assert window_too_short("Failed to obtain stable measurement within 3 measurement windows for "
+                            "concurrency 64. Please try to increase the --measurement-interval.")
+    assert not window_too_short("failed to get model metadata: HTTP client failed: Couldn't connect to server")
+    assert not window_too_short("unrecognized option '--measurement-intervall'")
