@@ -302,8 +302,9 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['path']:<10} {r['concurrency']:>4} {cells} {r.get('best_fixed', '-'):>10} "
                      f"{ratio('auto_over_best_fixed'):>9} {ratio('auto_over_ar_all_cores'):>8}"
                      + (f"  auto played {_top_arms(r['auto_arm_shares'])}" if "auto_arm_shares" in r else "")
-                     + (f"  (warm-up: auto/best {r['warmup_auto_over_best_fixed']:.2f}, played "
-                        f"{_top_arms(r.get('auto_warmup_arm_shares', {}))})" if "warmup_auto_over_best_fixed" in r else ""))
+                     + (f"  (warm-up: auto/best {r['warmup_auto_over_best_fixed']:.2f}"
+                        + (f", played {_top_arms(r['auto_warmup_arm_shares'])}" if "auto_warmup_arm_shares" in r else "")
+                        + ")" if "warmup_auto_over_best_fixed" in r else ""))
     return "\n".join(lines)
 
 
