@@ -50,6 +50,16 @@ class FakeEngine:
         with self.lock:
             return bool(self.reqs)
 
+    background_polls_left = 0             # polls until work under way outside the steps ends
+    background_polls = 0
+
+    def background_pending(self):
+        return self.background_polls_left > 0
+
+    def poll_background(self):
+        self.background_polls += 1
+        self.background_polls_left = max(self.background_polls_left - 1, 0)
+
     def step(self):
         self.step_threads.add(threading.current_thread().name)
         self.steps += 1
@@ -145,6 +155,25 @@ def test_idle_loop_does_not_spin(engine, loop):
     c2 = Collector()   # and wakes up for new work
     loop.submit("b", "x", params(2), c2)
     assert c2.final.finish_reason == "length"
+
+
+def test_an_idle_loop_looks_for_the_drafters_return_and_then_sleeps(engine):
+    """Work that ends outside the steps (the drafter's weights coming back) is polled for while
+    the loop is idle, the step hook runs once when it is over (the metrics refresh there), and
+    then the idle loop polls no more."""
+    hooks = []
+    engine.background_polls_left = 3
+    loop = EngineLoop(engine, on_step=hooks.append)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while engine.background_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.background_pending(), "the idle loop never polled"
+        time.sleep(0.3)
+        assert engine.background_polls == 3, "the loop kept polling after the work ended"
+        assert hooks == [[]] and engine.steps == 0
+    finally:
+        loop.shutdown(timeout_s=TIMEOUT)
 
 
 def test_validation_errors_reach_the_caller(loop):

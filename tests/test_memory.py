@@ -1,5 +1,6 @@
 """Elastic memory: the drafter's weights go to host memory and its bytes become target KV blocks,
 then come back, with no request lost, corrupted or leaking blocks."""
+import threading
 import time
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.engine.config import EngineConfig
+from backend.engine.loop import EngineLoop
 from backend.engine.memory import ElasticMemory
 from backend.sampling.params import SamplingParams
 from helpers.engines import block_bytes
@@ -199,3 +201,30 @@ def test_memory_events_are_bounded(monkeypatch):
             time.sleep(0.01)
     assert memory.offloads == 3 and memory.reloads == 3
     assert [e.kind for e in memory.events] == ["reload_done", "offload", "reload_start", "reload_done"]
+
+
+def test_weights_back_while_the_engine_is_idle_are_reported_back(prompts):
+    """A reload still under way when the last request finishes completes on the idle loop: the
+    drafter's state (what the metrics report) turns on_device without another request, and the
+    reload is counted."""
+    engine, memory = sd_engine_with_memory(kv_blocks=64)
+    started = threading.Event()
+
+    def offload_and_reload_at_the_end(outputs):       # on the loop thread, as a planner would
+        if any(o.finished for o in outputs) and not started.is_set():
+            memory.offload()
+            memory.start_reload()
+            started.set()
+
+    loop = EngineLoop(engine, on_step=offload_and_reload_at_the_end)
+    try:
+        loop.submit("a", prompts[0], SamplingParams(max_tokens=2, temperature=0.0), lambda _out: None)
+        assert started.wait(60), "the request never finished"
+        deadline = time.monotonic() + 30
+        while engine.drafter.state != "on_device" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.drafter.state == "on_device", f"still {engine.drafter.state} while idle"
+        assert memory.offloads == 1 and memory.reloads == 1
+        assert engine.kv.num_blocks == memory.base_blocks
+    finally:
+        loop.shutdown(timeout_s=30)

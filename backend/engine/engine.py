@@ -180,16 +180,26 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._accounts.snapshot(self)
 
+    def background_pending(self) -> bool:
+        """Is the drafter's weights' return, or a replacement drafter's start, under way? Only
+        :meth:`poll_background` completes it, so an idle loop must keep calling that."""
+        return self.drafter is not None and self.drafter.state in ("reloading", "restarting")
+
+    def poll_background(self) -> None:
+        """Take in what finished outside the steps: a replacement drafter after a failure, the
+        drafter's weights back on the device (its seconds reported with the next busy step)."""
+        if self.drafter is not None:
+            self.drafter.poll()
+        if self.memory is not None:
+            self._reload_s = self.memory.poll() or self._reload_s
+
     # ---- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self.requests.admit()
-        if self.drafter is not None:
-            self.drafter.poll()          # a replacement after a failure comes in here
-        if self.memory is not None:      # (also while idle: weights may arrive meanwhile)
-            self._reload_s = self.memory.poll() or self._reload_s
+        self.poll_background()
         if not self.scheduler.has_work():
             return outputs
         reload_s, self._reload_s = self._reload_s, None     # reported with the next busy step

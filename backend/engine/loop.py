@@ -41,11 +41,15 @@ class _EngineLike(Protocol):  # what the loop needs from backend.engine.engine.E
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
+    def background_pending(self) -> bool: ...
+    def poll_background(self) -> None: ...
 
 
 class EngineLoop:
     # After this many failing steps in a row with no request left to fail, give up.
     MAX_CONSECUTIVE_FAILURES = 5
+    # While idle with a drafter reload or restart under way: how often to look for its end.
+    IDLE_POLL_S = 0.05
 
     def __init__(self, engine: _EngineLike, *, name: str = "nightdraft-engine-loop",
                  on_step: Callable[[list[RequestOutput]], None] | None = None,
@@ -171,6 +175,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            look_again = False          # idle, with the drafter's return under way
             with self._cv:
                 while True:
                     if self._stopping and not self._callbacks:
@@ -183,7 +188,17 @@ class EngineLoop:
                         # final output: fail them rather than leave their clients hanging.
                         orphans = list(self._callbacks)
                         break
+                    if self._background_pending():
+                        # Idle, but the drafter's weights (or a replacement drafter) are on
+                        # their way: look again shortly (outside the lock), so that its state
+                        # is reported as it is, not as it was at the last step.
+                        self._cv.wait(self.IDLE_POLL_S)
+                        look_again, orphans = True, []
+                        break
                     self._cv.wait()
+            if look_again:
+                self._poll_background()
+                continue
             if orphans:
                 why = (f"the engine has failed: {self._fatal}" if not self._healthy
                        else "the engine dropped the request without finishing it")
@@ -197,11 +212,30 @@ class EngineLoop:
             self._idle_failures = 0
             self.steps += 1
             self._dispatch(outputs)
-            if self._on_step is not None:
-                try:
-                    self._on_step(outputs)
-                except Exception:
-                    self._log.exception("on_step hook failed")
+            self._after_step(outputs)
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        if self._on_step is not None:
+            try:
+                self._on_step(outputs)
+            except Exception:
+                self._log.exception("on_step hook failed")
+
+    def _background_pending(self) -> bool:
+        try:
+            return bool(self.engine.background_pending())
+        except Exception:
+            self._log.exception("engine.background_pending() failed")
+            return False
+
+    def _poll_background(self) -> None:
+        try:
+            self.engine.poll_background()
+        except Exception:
+            self._log.exception("engine.poll_background() failed")
+            return
+        if not self._background_pending():
+            self._after_step([])      # what the engine reports has changed: the hook refreshes it
 
     def _engine_busy(self) -> bool:
         try:
