@@ -105,6 +105,11 @@ class OffloadPolicy:
             return True
         return gain is not None and gain >= self.cfg.offload_gain
 
+    def idle(self) -> None:
+        """No request runs or waits: whatever pressure there was is over."""
+        self.level = 0.0
+        self._high_since = None
+
     def may_reload(self, now: float) -> bool:
         """Would the load fit the drafter-on pool, and has it for ``reload_after_s``?"""
         return self._clear_since is not None and now - self._clear_since >= self.cfg.reload_after_s
@@ -267,6 +272,18 @@ class MemoryRule:
             if not chk.verdict:
                 self._road_closed = True
         return not chk.verdict
+
+    def reload_while_idle(self, idle_s: float) -> bool:
+        """The engine has had no request for `idle_s` seconds, its drafter offloaded: bring the
+        weights back now? An idle engine has no memory pressure and no request that a smaller
+        pool could preempt, so once it has been idle for ``reload_after_s`` the weights return:
+        the next arrival need not decode plainly while they travel, nor does the server report
+        them away from an idle device. A burst after that offloads again by the usual rules."""
+        if idle_s < self.cfg.reload_after_s:
+            return False
+        self.policy.idle()
+        self._road_closed = False
+        return True
 
     def observe_ar(self, wall_s: float, tokens: int) -> None:
         """A plain-decoding step's wall time, for the running offload's check."""

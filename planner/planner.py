@@ -233,6 +233,13 @@ class Planner:
         now = signals.now if signals.now is not None else self._clock()
         return self._memory.wants_offload(signals, now, self.steps, self._ar_since)
 
+    def reload_while_idle(self, idle_s: float) -> bool:
+        """Asked while the engine has had no request for `idle_s` seconds and its drafter is
+        offloaded (an offload in the last step is not yet in any snapshot): should the weights
+        come back now (:meth:`MemoryRule.reload_while_idle`)?"""
+        self._drafter.report(True)
+        return self._memory.reload_while_idle(idle_s)
+
     def pruned_arms(self, signals: LoadSignals) -> frozenset:
         """The arms set aside in the bin of `signals` while pressure lasts (empty: none)."""
         return self._pruner.pruned(self.bins.context(signals))

@@ -228,3 +228,36 @@ def test_weights_back_while_the_engine_is_idle_are_reported_back(prompts):
         assert engine.kv.num_blocks == memory.base_blocks
     finally:
         loop.shutdown(timeout_s=30)
+
+
+def test_an_idle_auto_engine_brings_its_offloaded_drafter_back(prompts):
+    """Mode auto, the drafter offloaded in the last request's step (as the planner does under
+    a burst): with no request left there is no step for the planner to decide a reload in, so
+    the idle loop asks it; once idle for ``reload_after_s`` the weights come back, the pool
+    shrinks to its drafter-on size, and not before."""
+    reload_after_s = 0.3
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
+                                 gamma_max=4, kv_cache_bytes=64 * block_bytes(),
+                                 planner={"reload_after_s": reload_after_s}))
+    memory = engine.memory
+    finished_at = []
+
+    def offload_at_the_end(outputs):         # on the loop thread, after the step
+        if any(o.finished for o in outputs) and not finished_at:
+            memory.offload()
+            finished_at.append(time.perf_counter())
+
+    loop = EngineLoop(engine, on_step=offload_at_the_end)
+    try:
+        loop.submit("a", prompts[0], SamplingParams(max_tokens=2, temperature=0.0), lambda _out: None)
+        deadline = time.monotonic() + 60
+        while not (finished_at and memory.reloads) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert finished_at, "the request never finished"
+        assert memory.offloads == 1 and engine.kv.num_blocks == memory.base_blocks and memory.reloads == 1, \
+            f"idle with the drafter {engine.drafter.state}: {[e.kind for e in memory.events]}"
+        assert engine.drafter.state == "on_device"
+        start = next(e.t for e in memory.events if e.kind == "reload_start")
+        assert start - finished_at[0] >= reload_after_s
+    finally:
+        loop.shutdown(timeout_s=30)

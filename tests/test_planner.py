@@ -692,6 +692,27 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
     assert eng.offloads == 1                  # no bouncing
 
 
+def test_an_idle_engine_gets_its_drafter_back_after_reload_after_s_with_the_pressure_forgotten():
+    # No step, no decision: an engine with no request asks the planner instead. Before
+    # reload_after_s of idleness the weights stay off; after it they come back, and the burst's
+    # pressure is over (the level was an average over steps, and no step has run since), so the
+    # low load after the idle speculates and does not offload again.
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+                gamma_max=4, psd_available=False, seed=0)
+    eng = KVBoundEngine(p)
+    for _ in range(1500):
+        eng.step(30)
+    assert eng.offloads == 1 and p.offload_policy.level > 0.5
+    assert not p.reload_while_idle(0.04)
+    assert p.offload_policy.level > 0.5
+    assert p.reload_while_idle(0.05)
+    assert p.offload_policy.level == 0.0
+    eng.offloaded, eng.reloads = False, eng.reloads + 1      # the engine reloads
+    low = [eng.step(2)[0] for _ in range(300)]
+    assert eng.offloads == 1 and eng.reloads == 1
+    assert np.mean([d.speculative for d in low[-100:]]) > 0.9
+
+
 def test_an_offloaded_drafters_demand_gate_is_weighed_every_few_steps_and_still_holds():
     # Offloaded, with room in the pool to reload, plain decoding is held while demand exceeds
     # the speculative arms' capacity. Weighing that reads every arm's estimate from the bandit

@@ -90,6 +90,15 @@ class AdaptiveController:
         self._lend_cores()
         return PLAIN
 
+    def reload_pending_while_idle(self) -> bool:
+        """Are the drafter's weights off the device, to come back while the engine is idle?"""
+        return self.memory is not None and self.drafter.state == "offloaded"
+
+    def idle(self, idle_s: float) -> None:
+        """No request for `idle_s` seconds: bring the drafter back if the planner says so."""
+        if self.reload_pending_while_idle() and self.planner.reload_while_idle(idle_s):
+            self.memory.start_reload()
+
     def _any_decoding(self) -> bool:
         """Will a running sequence decode this step (one pending token), so it could be drafted for?"""
         return any(seq.num_uncomputed == 1 for seq in self.scheduler.running)

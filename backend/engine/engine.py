@@ -128,6 +128,7 @@ class Engine:
                                       self.max_model_len,
                                       on_finish=self.adaptive.record_finish if self.adaptive is not None else None)
         self._reload_s: float | None = None         # a reload's duration, not yet reported
+        self._last_work_at = time.perf_counter()     # the end of the last step that had work
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
         return DrafterManager.for_target(config, self.target.config, self.kv.num_blocks, self.dtype,
@@ -181,13 +182,20 @@ class Engine:
         return self._accounts.snapshot(self)
 
     def background_pending(self) -> bool:
-        """Is the drafter's weights' return, or a replacement drafter's start, under way? Only
-        :meth:`poll_background` completes it, so an idle loop must keep calling that."""
-        return self.drafter is not None and self.drafter.state in ("reloading", "restarting")
+        """Is the drafter's weights' return, or a replacement drafter's start, under way, or
+        (mode auto) are its weights off the device, to come back while idle? Only
+        :meth:`poll_background` does these, so an idle loop must keep calling that."""
+        if self.drafter is not None and self.drafter.state in ("reloading", "restarting"):
+            return True
+        return self.adaptive is not None and self.adaptive.reload_pending_while_idle()
 
     def poll_background(self) -> None:
         """Take in what finished outside the steps: a replacement drafter after a failure, the
-        drafter's weights back on the device (its seconds reported with the next busy step)."""
+        drafter's weights back on the device (its seconds reported with the next busy step);
+        while no request runs or waits, start the offloaded drafter's return when the planner
+        says so."""
+        if self.adaptive is not None and not self.has_unfinished():
+            self.adaptive.idle(time.perf_counter() - self._last_work_at)
         if self.drafter is not None:
             self.drafter.poll()
         if self.memory is not None:
@@ -220,6 +228,7 @@ class Engine:
                                        num_outputs=len(outputs) + len(committed))
         if self.adaptive is not None:
             self.adaptive.observe(plan, result, reload_s)
+        self._last_work_at = time.perf_counter()
         return outputs + committed
 
     def _next_plan(self) -> StepPlan:

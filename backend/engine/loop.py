@@ -48,7 +48,8 @@ class _EngineLike(Protocol):  # what the loop needs from backend.engine.engine.E
 class EngineLoop:
     # After this many failing steps in a row with no request left to fail, give up.
     MAX_CONSECUTIVE_FAILURES = 5
-    # While idle with a drafter reload or restart under way: how often to look for its end.
+    # While idle with background work (a drafter reload or restart under way, or an offloaded
+    # drafter to bring back): how often to look again.
     IDLE_POLL_S = 0.05
 
     def __init__(self, engine: _EngineLike, *, name: str = "nightdraft-engine-loop",
@@ -190,8 +191,9 @@ class EngineLoop:
                         break
                     if self._background_pending():
                         # Idle, but the drafter's weights (or a replacement drafter) are on
-                        # their way: look again shortly (outside the lock), so that its state
-                        # is reported as it is, not as it was at the last step.
+                        # their way, or to be brought back: look again shortly (outside the
+                        # lock), so that its state is reported as it is, not as it was at the
+                        # last step.
                         self._cv.wait(self.IDLE_POLL_S)
                         look_again, orphans = True, []
                         break
