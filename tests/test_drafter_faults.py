@@ -126,6 +126,9 @@ def drive(engine: Engine, prompts, fault: Fault, offload_at: int | None, reload_
     rest = pending[6:]
     while engine.has_unfinished() or rest:
         if not engine.has_unfinished():       # the trickle: low load, so auto reloads
+            # Idle between requests, as the engine loop is: mode auto brings an offloaded
+            # drafter back here (reload_after_s is 0), whatever its bandit would choose next.
+            engine.poll_background()
             i = rest.pop(0)
             engine.add_request(str(i), prompts[i], GREEDY)
         if step == offload_at:
