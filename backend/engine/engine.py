@@ -190,12 +190,15 @@ class Engine:
         return self.adaptive is not None and self.adaptive.reload_pending_while_idle()
 
     def poll_background(self) -> None:
-        """Take in what finished outside the steps: a replacement drafter after a failure, the
-        drafter's weights back on the device (its seconds reported with the next busy step);
-        while no request runs or waits, start the offloaded drafter's return when the planner
-        says so."""
+        """For an idle loop: while no request runs or waits, start the offloaded drafter's
+        return when the planner says so; then take in what finished outside the steps."""
         if self.adaptive is not None and not self.has_unfinished():
             self.adaptive.idle(time.perf_counter() - self._last_work_at)
+        self._take_in_background()
+
+    def _take_in_background(self) -> None:
+        """A replacement drafter after a failure, the drafter's weights back on the device (its
+        seconds reported with the next busy step). Every step does this first."""
         if self.drafter is not None:
             self.drafter.poll()
         if self.memory is not None:
@@ -207,7 +210,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self.requests.admit()
-        self.poll_background()
+        self._take_in_background()
         if not self.scheduler.has_work():
             return outputs
         reload_s, self._reload_s = self._reload_s, None     # reported with the next busy step
