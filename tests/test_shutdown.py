@@ -262,12 +262,15 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
     repo = repository(tmp_path, max_num_seqs=1, max_waiting=2)
     server = start_server(repo, tmp_path / "server.log")
     try:
-        accepted = Streams(server.grpc_url, [600, 600, 600])   # one runs, two wait (for seconds)
+        # One runs, two wait: the running one as long as the context allows, so that the queue
+        # stays full while the requests below are refused.
+        accepted = Streams(server.grpc_url, [1000, 1000, 1000])
         wait_streaming(accepted, server, min_running=1)
         deadline = time.monotonic() + 30
         from helpers.triton import metrics
         while metrics(server).get("nightdraft_num_requests_waiting", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert metrics(server).get("nightdraft_num_requests_waiting", 0) == 2, "the queue never filled"
         req = urllib.request.Request(f"http://{server.http_url}/v2/models/nightdraft/generate",
                                      data=json.dumps({"text_input": "hi", "parameters": {"max_tokens": 4}}).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
