@@ -146,13 +146,14 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
             for rep in [WARMUP] * bool(warmup) + list(range(args.repeats)):
                 for name in _rotated(names, max(rep, 0)):
                     engine, placement = engines[name]
-                    before = _arm_counts(engine)
+                    before, counted = _arm_counts(engine), _engine_counters(engine)
                     r = run_level(engine, placement, warmup if rep == WARMUP else prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
                     run = _run_record("in-process", name, level, rep, r["tokens_per_s"])
                     run["mean_latency_s"] = r["mean_latency_s"]
                     if engine.planner is not None:
                         run["arm_steps"] = _steps_since(before, _arm_counts(engine))
+                    run["engine"] = {k: v - counted[k] for k, v in _engine_counters(engine).items()}
                     record(run)
     finally:
         for engine, _ in engines.values():
@@ -174,6 +175,12 @@ def _run_record(path: str, name: str, level: int, rep: int, tokens_per_s: float)
     if rep == WARMUP:
         run["warmup"] = True
     return run
+
+
+def _engine_counters(engine) -> dict[str, float]:
+    """The engine's counters that SERVER_COUNTERS reads through the server, under the same names."""
+    s = engine.stats()
+    return {short: getattr(s, attr) for short, attr in IN_PROCESS_COUNTERS.items()}
 
 
 def _arm_counts(engine) -> dict[str, int]:
@@ -238,7 +245,15 @@ SERVER_COUNTERS = {"steps": "nightdraft_engine_steps_total",
                    "accepted_tokens": "nightdraft_spec_decode_accepted_tokens_total",
                    "catchup_tokens": "nightdraft_drafter_catchup_tokens_total",
                    "planner_switches": "nightdraft_planner_switches_total",
-                   "offloads": "nightdraft_drafter_offloads_total"}
+                   "offloads": "nightdraft_drafter_offloads_total",
+                   # what else used the cores: the drafter's worker, and recompilation
+                   "drafter_cpu_s": "nightdraft_drafter_cpu_seconds_total",
+                   "compiled_graphs": "nightdraft_compiled_graphs_total"}
+# The same counters read from the engine in process (EngineStats attributes).
+IN_PROCESS_COUNTERS = {"steps": "steps", "psd_steps": "psd_steps", "draft_tokens": "drafted_tokens",
+                       "accepted_tokens": "accepted_tokens", "catchup_tokens": "drafter_catchup_tokens",
+                       "planner_switches": "planner_switches", "offloads": "offloads",
+                       "drafter_cpu_s": "drafter_cpu_s", "compiled_graphs": "compiled_graphs"}
 
 
 def _progress(run: dict) -> None:

@@ -167,11 +167,14 @@ def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tok
         assert drafter.runner.captured is not None and not drafter.runner.captured.frozen
         assert engine.runner.captured is not None and engine.runner.captured.frozen
         first = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
+        graphs = engine.stats().compiled_graphs
+        assert graphs >= 4         # one token and more, for the target and the drafter
         drafter.offload()
         drafter.reload()
         before = drafter.runner.captured_forwards
         second = [c.output_ids for c in engine.generate(prompts[:3], GREEDY, max_concurrency=3)]
         assert drafter.runner.captured_forwards > before and drafter.runner.captured is not None
+        assert engine.stats().compiled_graphs == graphs
     finally:
         engine.close()
     assert first == second == plain_eager_tokens[:3]

@@ -122,6 +122,7 @@ def test_killed_worker_degrades_to_plain_decoding_and_restarts(prompts, ar_outpu
         while engine.has_unfinished():
             if step == 4:
                 killed_pid = engine.drafter.drafter.pid
+                counted_by_the_killed = engine.drafter.drafter.stats()   # as its last reply had them
                 engine.drafter.drafter.kill()
             for o in engine.step():
                 tokens[int(o.request_id)] += o.new_token_ids
@@ -143,6 +144,11 @@ def test_killed_worker_degrades_to_plain_decoding_and_restarts(prompts, ar_outpu
         out = engine.generate(prompts[:4], GREEDY)
         assert [c.output_ids for c in out] == ar_outputs[:4]
         assert engine.stats().drafted_tokens > before
+        # The engine's totals keep what the killed worker had counted (the metrics are counters)
+        dead, alive, total = counted_by_the_killed, engine.drafter.drafter.stats(), engine.stats()
+        assert dead.cpu_s > 0 and alive.cpu_s > 0          # each worker's own process's CPU time
+        assert total.drafter_cpu_s == pytest.approx(dead.cpu_s + alive.cpu_s)
+        assert total.drafter_catchup_tokens == dead.catchup_tokens + alive.catchup_tokens
         assert_no_leaks(engine)
     finally:
         engine.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from backend.engine.outputs import EngineStats
+from backend.model.captured import compiled_graphs
 from backend.step import Drafting, PassCounts, StepPlan, StepResult, ran
 
 
@@ -65,12 +66,14 @@ class Accounts:
             s.drafter_restart_failures, s.drafter_next_restart_s = d.restart_failures, d.next_restart_in_s
             s.drafter_request_failures, s.drafter_catchup_tokens = d.request_failures, ps.catchup_tokens
             s.draft_ahead = dict(ps.ahead)
+            s.drafter_cpu_s = ps.cpu_s
         memory = engine.memory
         if memory is not None:
             s.offloads, s.reloads = memory.offloads, memory.reloads
             s.offload_failures, s.reload_failures = memory.failed_offloads, memory.failed_reloads
         if engine.planner is not None:
             s.planner_switches = engine.planner.switches
+        s.compiled_graphs = compiled_graphs()
         c = engine.sub_batches.counters
         s.psd_steps, s.psd_fallback_steps = c.steps, c.fallback_steps
         s.psd_unbalanced_steps, s.psd_overlapped_steps = c.unbalanced_steps, c.overlapped_steps

@@ -22,6 +22,7 @@ import contextlib
 import locale
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -92,6 +93,14 @@ def _configure_compiler() -> None:
     torch.fx.experimental._config.use_duck_shape = False
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (every model's, warm-ups included):
+    one that rises while requests run is a recompilation, which costs a step seconds. 0 when
+    nothing was compiled (the compiler is not even imported then)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 class CompiledStep:
     """The model's decode and verification forwards, compiled with inductor (see the module)."""
 
@@ -102,7 +111,7 @@ class CompiledStep:
         self.model = model
         self.max_query_len = max_query_len
         self.frozen = freeze
-        self.compile_s = 0.0          # spent compiling (warm-up and any later recompilation)
+        self.compile_s = 0.0          # spent in warm_up (a later recompilation: compiled_graphs())
         # Freezing makes the weights constants of the graph, which lets inductor pre-pack them for
         # oneDNN's GEMMs (about 1.2-1.4x a decode step of the bundled target, docs/executor.md).
         # The graph then holds its own copy of the weights: only for a model whose weights never

@@ -37,6 +37,8 @@ nightdraft_drafter_{failures,restarts,catchup_tokens,offloads,reloads}_total   c
 nightdraft_drafter_restart_failures_total       counter    restart attempts that failed
 nightdraft_drafter_{offload,reload}_failures_total   counters  the KV pool could not be resized
 nightdraft_planner_switches_total               counter
+nightdraft_drafter_cpu_seconds_total            counter    CPU time of the drafter's worker process
+nightdraft_compiled_graphs_total                counter    graphs compiled in the engine's process
 nightdraft_drafter_request_failures_total       counter    requests decoded without drafts after a
                                                            drafter fault of their own
 nightdraft_request_errors_total                 counter    requests failed alone inside a step
@@ -80,6 +82,10 @@ EXTRA_COUNTERS = {
     "drafter_catchup_tokens": ("nightdraft_drafter_catchup_tokens_total",
                                "Tokens re-fed to rebuild the drafter's KV cache (switching cost)"),
     "offloads": ("nightdraft_drafter_offloads_total", "Drafter weights moved off the device"),
+    "drafter_cpu_s": ("nightdraft_drafter_cpu_seconds_total",
+                      "CPU seconds used by the drafter's own worker process (0 for a drafter in process)"),
+    "compiled_graphs": ("nightdraft_compiled_graphs_total",
+                        "Graphs torch.compile made in the engine's process (a rise under load is a recompilation)"),
     "reloads": ("nightdraft_drafter_reloads_total", "Drafter weights brought back to the device"),
     "offload_failures": ("nightdraft_drafter_offload_failures_total",
                          "Offloads that lent nothing: the KV pool could not grow (out of memory)"),

@@ -16,6 +16,7 @@ it starts offloaded too, so the pool and the drafter never both claim that memor
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import logging
 import threading
 import time
@@ -104,6 +105,9 @@ class DrafterManager:
         self._reload = None                 # a future while weights travel back
         self._reload_deadline = 0.0         # time.monotonic() by which they must be back
         self.last_reload_s = 0.0
+        # What drafters that failed had counted (catch-up tokens, their worker's CPU seconds), so
+        # that the totals the engine reports never go back on a restart.
+        self._retired = ProposerStats()
         # seq id -> how many of its tokens the drafter has been sent (its sync offset)
         self._synced: dict[str, int] = {}
         self.drafter: Proposer | None = self._build()
@@ -176,7 +180,12 @@ class DrafterManager:
                 d.refresh_stats()
             except Exception as e:  # noqa: BLE001 - any failure of the drafter is the drafter's
                 self._failed(e)
-        return self.drafter.stats() if self.drafter is not None else ProposerStats()
+        past = self._retired
+        if self.drafter is None:
+            return past
+        st = self.drafter.stats()
+        return replace(st, catchup_tokens=past.catchup_tokens + st.catchup_tokens,
+                       cpu_s=past.cpu_s + st.cpu_s)
 
     def lag_tokens(self, seqs: list[Sequence]) -> int:
         """Tokens of these sequences the drafter has not been sent yet (its catch-up work)."""
@@ -285,6 +294,13 @@ class DrafterManager:
         log.error("drafter failed (%s); decoding without speculation until a new one is up "
                   "(next attempt in %.1fs)", self.last_failure, self.backoff.delay_s)
         dead, self.drafter = self.drafter, None
+        if dead is not None:
+            try:
+                last = dead.stats()       # a worker's: as its last reply had them (no call)
+            except Exception:  # noqa: BLE001 - a broken drafter's counts are lost, nothing else
+                last = ProposerStats()
+            self._retired = ProposerStats(catchup_tokens=self._retired.catchup_tokens + last.catchup_tokens,
+                                          cpu_s=self._retired.cpu_s + last.cpu_s)
         if self._reload is not None:
             # The target pool shrank back before the reload began: a replacement may load
             # onto the device. Otherwise `offloaded` stays: that memory is still lent.

@@ -81,6 +81,7 @@ class ProposerStats:
     num_sequences: int = 0         # sequences it holds
     kv_usage: float = 0.0          # of its KV pool (0 for a proposer without one)
     ahead: dict = field(default_factory=dict)   # draft-ahead counters (AheadStats.as_dict); {} if none
+    cpu_s: float = 0.0             # CPU seconds of the proposer's own process (0: it runs in the engine's)
 
 
 @runtime_checkable

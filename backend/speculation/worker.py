@@ -84,7 +84,7 @@ class ProposeReply:
 
 
 def _worker_stats(drafter) -> ProposerStats:
-    st = drafter.stats()
+    st = replace(drafter.stats(), cpu_s=time.process_time())   # every thread of this process
     return st if st.ahead.get("rounds") or st.ahead.get("interrupted") else replace(st, ahead={})
 
 
