@@ -16,10 +16,10 @@ it starts offloaded too, so the pool and the drafter never both claim that memor
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
