@@ -178,9 +178,9 @@ def _run_record(path: str, name: str, level: int, rep: int, tokens_per_s: float)
 
 
 def _engine_counters(engine) -> dict[str, float]:
-    """The engine's counters that SERVER_COUNTERS reads through the server, under the same names."""
+    """ENGINE_COUNTERS as the engine in this process has them now."""
     s = engine.stats()
-    return {short: getattr(s, attr) for short, attr in IN_PROCESS_COUNTERS.items()}
+    return {name: getattr(s, attr) for name, (attr, _) in ENGINE_COUNTERS.items()}
 
 
 def _arm_counts(engine) -> dict[str, int]:
@@ -235,25 +235,24 @@ def measure_on_server(args, names: list[str], levels: list[int], record) -> None
                                       delta.get("nightdraft_generation_tokens_total", 0) / wall)
                     run["client"] = "python" if rep == WARMUP else args.server_client
                     # what the engine did meanwhile (the planner's arms are not exported)
-                    run["engine"] = {short: delta.get(metric, 0) for short, metric in SERVER_COUNTERS.items()}
+                    run["engine"] = {name: delta.get(metric, 0) for name, (_, metric) in ENGINE_COUNTERS.items()}
                     record(run)
 
 
-SERVER_COUNTERS = {"steps": "nightdraft_engine_steps_total",
-                   "psd_steps": "nightdraft_psd_steps_total",
-                   "draft_tokens": "nightdraft_spec_decode_draft_tokens_total",
-                   "accepted_tokens": "nightdraft_spec_decode_accepted_tokens_total",
-                   "catchup_tokens": "nightdraft_drafter_catchup_tokens_total",
-                   "planner_switches": "nightdraft_planner_switches_total",
-                   "offloads": "nightdraft_drafter_offloads_total",
-                   # what else used the cores: the drafter's worker, and recompilation
-                   "drafter_cpu_s": "nightdraft_drafter_cpu_seconds_total",
-                   "compiled_graphs": "nightdraft_compiled_graphs_total"}
-# The same counters read from the engine in process (EngineStats attributes).
-IN_PROCESS_COUNTERS = {"steps": "steps", "psd_steps": "psd_steps", "draft_tokens": "drafted_tokens",
-                       "accepted_tokens": "accepted_tokens", "catchup_tokens": "drafter_catchup_tokens",
-                       "planner_switches": "planner_switches", "offloads": "offloads",
-                       "drafter_cpu_s": "drafter_cpu_s", "compiled_graphs": "compiled_graphs"}
+# The engine's counters recorded around each run: name -> (EngineStats attribute, read in
+# process; metric family, read through the server).
+ENGINE_COUNTERS = {
+    "steps": ("steps", "nightdraft_engine_steps_total"),
+    "psd_steps": ("psd_steps", "nightdraft_psd_steps_total"),
+    "draft_tokens": ("drafted_tokens", "nightdraft_spec_decode_draft_tokens_total"),
+    "accepted_tokens": ("accepted_tokens", "nightdraft_spec_decode_accepted_tokens_total"),
+    "catchup_tokens": ("drafter_catchup_tokens", "nightdraft_drafter_catchup_tokens_total"),
+    "planner_switches": ("planner_switches", "nightdraft_planner_switches_total"),
+    "offloads": ("offloads", "nightdraft_drafter_offloads_total"),
+    # what else used the cores: the drafter's worker, and recompilation
+    "drafter_cpu_s": ("drafter_cpu_s", "nightdraft_drafter_cpu_seconds_total"),
+    "compiled_graphs": ("compiled_graphs", "nightdraft_compiled_graphs_total"),
+}
 
 
 def _progress(run: dict) -> None:

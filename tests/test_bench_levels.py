@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from client.bench_levels import SERVER_COUNTERS, format_table, summarise
+from client.bench_levels import ENGINE_COUNTERS, format_table, summarise
 
 
 def _run(path, config, level, rep, tok):
@@ -88,7 +88,7 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
     # the engine's counters around each run, on both paths: what ran, and what else used the cores
     # (the drafter's worker; recompilation, which cannot happen here: the suite compiles nothing)
     runs = report["runs"]
-    assert all(set(r["engine"]) == set(SERVER_COUNTERS) for r in runs)
+    assert all(set(r["engine"]) == set(ENGINE_COUNTERS) for r in runs)
     assert all(r["engine"]["steps"] > 0 for r in runs)
     assert all(r["engine"]["draft_tokens"] > 0 and r["engine"]["drafter_cpu_s"] > 0
                for r in runs if r["config"] == "sd")

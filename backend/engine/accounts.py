@@ -64,9 +64,10 @@ class Accounts:
             s.drafter_kv_usage, s.drafter_state = ps.kv_usage, d.state
             s.drafter_failures, s.drafter_restarts = d.failures, d.restarts
             s.drafter_restart_failures, s.drafter_next_restart_s = d.restart_failures, d.next_restart_in_s
-            s.drafter_request_failures, s.drafter_catchup_tokens = d.request_failures, ps.catchup_tokens
+            s.drafter_request_failures = d.request_failures
+            s.drafter_catchup_tokens = d.retired.catchup_tokens + ps.catchup_tokens   # every drafter's
+            s.drafter_cpu_s = d.retired.cpu_s + ps.cpu_s
             s.draft_ahead = dict(ps.ahead)
-            s.drafter_cpu_s = ps.cpu_s
         memory = engine.memory
         if memory is not None:
             s.offloads, s.reloads = memory.offloads, memory.reloads

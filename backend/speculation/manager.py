@@ -19,7 +19,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
@@ -105,9 +104,9 @@ class DrafterManager:
         self._reload = None                 # a future while weights travel back
         self._reload_deadline = 0.0         # time.monotonic() by which they must be back
         self.last_reload_s = 0.0
-        # What drafters that failed had counted (catch-up tokens, their worker's CPU seconds), so
-        # that the totals the engine reports never go back on a restart.
-        self._retired = ProposerStats()
+        # What drafters that failed had counted (catch-up tokens, their worker's CPU seconds): the
+        # engine's totals add it, so that they never go back on a restart.
+        self.retired = ProposerStats()
         # seq id -> how many of its tokens the drafter has been sent (its sync offset)
         self._synced: dict[str, int] = {}
         self.drafter: Proposer | None = self._build()
@@ -180,12 +179,7 @@ class DrafterManager:
                 d.refresh_stats()
             except Exception as e:  # noqa: BLE001 - any failure of the drafter is the drafter's
                 self._failed(e)
-        past = self._retired
-        if self.drafter is None:
-            return past
-        st = self.drafter.stats()
-        return replace(st, catchup_tokens=past.catchup_tokens + st.catchup_tokens,
-                       cpu_s=past.cpu_s + st.cpu_s)
+        return self.drafter.stats() if self.drafter is not None else ProposerStats()
 
     def lag_tokens(self, seqs: list[Sequence]) -> int:
         """Tokens of these sequences the drafter has not been sent yet (its catch-up work)."""
@@ -299,8 +293,8 @@ class DrafterManager:
                 last = dead.stats()       # a worker's: as its last reply had them (no call)
             except Exception:  # noqa: BLE001 - a broken drafter's counts are lost, nothing else
                 last = ProposerStats()
-            self._retired = ProposerStats(catchup_tokens=self._retired.catchup_tokens + last.catchup_tokens,
-                                          cpu_s=self._retired.cpu_s + last.cpu_s)
+            self.retired = ProposerStats(catchup_tokens=self.retired.catchup_tokens + last.catchup_tokens,
+                                         cpu_s=self.retired.cpu_s + last.cpu_s)
         if self._reload is not None:
             # The target pool shrank back before the reload began: a replacement may load
             # onto the device. Otherwise `offloaded` stays: that memory is still lent.

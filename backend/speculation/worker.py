@@ -84,8 +84,9 @@ class ProposeReply:
 
 
 def _worker_stats(drafter) -> ProposerStats:
-    st = replace(drafter.stats(), cpu_s=time.process_time())   # every thread of this process
-    return st if st.ahead.get("rounds") or st.ahead.get("interrupted") else replace(st, ahead={})
+    st = drafter.stats()
+    ahead = st.ahead if st.ahead.get("rounds") or st.ahead.get("interrupted") else {}
+    return replace(st, ahead=ahead, cpu_s=time.process_time())   # every thread of this process
 
 
 
