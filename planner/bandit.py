@@ -21,6 +21,14 @@ The rule, per context bin (every statistic below is kept separately for each bin
   nothing measured in the bin takes the bin's overall ratio. With ``prior_inputs`` (what the
   prior is computed from, now: e.g. the acceptance and the serving cost, rounded), a bin reads
   the prior again only when those change; a decision then costs the calibration alone.
+* **Unimodal groups** (``unimodal``, with ``prior_group``). The arms of a group, in the order
+  they were given, are taken to have a unimodal loss along that order (a mode's gammas: a longer
+  speculation gains accepted tokens and pays more drafting and verification, so the per-token
+  cost falls, then rises). Only each group's *leader* (its lowest estimated mean) and the
+  leader's two neighbours are candidates; the rest wait until the leader moves next to them.
+  Exploration then costs a few arms per group instead of all of them, and a wrong prior is
+  walked off one position at a time (the unimodal bandits' leader-neighbourhood rule, as in
+  Combes and Proutiere's OSUB). A group with no arm known yet is not restricted.
 * **Blocks.** A chosen arm is held for a block of steps in that bin. Block length is
   ``(block_growth - 1) * n`` clipped to ``[initial_block, max_block]``: every time an arm wins
   again its block multiplies its sample count by ``block_growth`` (UCB2-style exponential
@@ -144,6 +152,10 @@ class ContextualBandit:
         numbering = {g: j for j, g in enumerate(dict.fromkeys(groups))}
         self._group_of = [numbering[g] for g in groups]
         self._n_groups = len(numbering)
+        # each group's arms in order (the unimodal rule walks along them)
+        self._members = [[i for i, g in enumerate(self._group_of) if g == j]
+                         for j in range(self._n_groups)]
+        self._unimodal = cfg.unimodal and any(len(m) > 2 for m in self._members)
         self._rng = random.Random(seed)
         self._bins: dict[Context, _Bin] = {}
         self._last_ctx: Context | None = None
@@ -240,6 +252,19 @@ class ContextualBandit:
         sigma = max(math.sqrt(var), self.config.noise_floor * scale)
         return means, cnt, sigma, known
 
+    def _near_leaders(self, means: list, known: list) -> frozenset[int]:
+        """The unimodal rule's candidates: each group's leader and its neighbours in the
+        group's order (every arm of a group with none known)."""
+        near: list[int] = []
+        for members in self._members:
+            ranked = [j for j, i in enumerate(members) if known[i]]
+            if not ranked:
+                near += members
+                continue
+            lead = min(ranked, key=lambda j: means[members[j]])
+            near += members[max(lead - 1, 0):lead + 2]
+        return frozenset(near)
+
     def _block_len(self, b: _Bin, i: int) -> int:
         L = math.ceil((self.config.block_growth - 1.0) * float(b.n[i]))
         return int(min(max(L, self.config.initial_block), self.config.max_block))
@@ -247,6 +272,9 @@ class ContextualBandit:
     def _decide(self, context: Context, b: _Bin, allowed: frozenset[int] | None = None) -> int:
         means, cnt, sigma, known = self._estimates(context, b)
         k = len(self.arms)
+        if self._unimodal:
+            near = self._near_leaders(means, known)
+            allowed = near if allowed is None else (allowed & near) or allowed
         candidates = range(k) if allowed is None else sorted(allowed)
         untried = [i for i in candidates if not known[i]]
         if untried:

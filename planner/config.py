@@ -4,8 +4,9 @@
   bandit's defaults.
 * :class:`PlannerConfig` — everything else the planner is tuned by (arms, contexts, the loss,
   the switching cost, elastic memory, reporting), plus the :class:`BanditConfig` it runs its bandit
-  with (``bandit``; by default the planner's bandit holds decisions for 4 steps and asks a
-  challenger to win by 3 %, where a bare bandit does neither).
+  with (``bandit``; by default the planner's bandit holds decisions for 4 steps, asks a
+  challenger to win by 3 % and explores a mode's gammas around its best one, where a bare bandit
+  does none of these).
 
 ``engine.json``'s ``"planner"`` object is flat: ``PlannerConfig.from_dict`` takes the planner's
 keys and the bandit's side by side (``{"offload_after_steps": 3, "explore": 1.0, ...}``); the
@@ -108,6 +109,7 @@ class BanditConfig:
     detect_min_n: float = _setting(20.0, "float", _ge(0))    # evidence before detecting
     noise_floor: float = _setting(0.02, "float", _ge(0))     # least noise, x the best mean
     noise_prior: float = _setting(0.2, "float", _ge(0))      # assumed noise, x the best mean
+    unimodal: bool = _setting(False, "bool")                 # a group's leader and neighbours only
 
     def __post_init__(self):
         _check(self)
@@ -131,7 +133,8 @@ def replace_settings(cfg, changes: Mapping[str, Any]):
 # engine.json's flat planner settings spell the bandit's min_hold as min_hold_steps
 _FLAT_NAME = {"min_hold": "min_hold_steps"}
 _BANDIT_KEYS = {_FLAT_NAME.get(f.name, f.name): f.name for f in dataclasses.fields(BanditConfig)}
-PLANNER_BANDIT = BanditConfig(min_hold=4, hysteresis=0.03)   # the planner's bandit defaults
+# the planner's bandit defaults (unimodal: a mode's gammas, see planner.bandit)
+PLANNER_BANDIT = BanditConfig(min_hold=4, hysteresis=0.03, unimodal=True)
 
 
 # ---------------------------------------------------------------------------------- planner

@@ -185,6 +185,48 @@ def test_a_prior_that_misses_one_modes_cost_is_corrected_for_all_its_gammas():
     assert spec_steps[True] <= 0.5 * spec_steps[False], spec_steps
 
 
+SD8 = [("ar", 0)] + [("sd", g) for g in range(1, 9)]
+
+
+def unimodal_sd(best_gamma):
+    """Plain decoding at 1.0, sequential SD's per-token cost falling to 0.7 at `best_gamma`
+    and rising 4 % a gamma on either side of it."""
+    return lambda c, a, t: 1.0 if a[0] == "ar" else 0.7 * (1.0 + 0.04 * abs(a[1] - best_gamma))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unimodal_groups_explore_a_modes_gammas_around_its_best(seed):
+    """With a prior that ranks the eight SD gammas well, a bare bandit still tries nearly all of
+    them (their priors are within its confidence width); walking from the leader, the planner's
+    bandit tries the best gamma and a few beside it, and loses less on the way."""
+    truth = unimodal_sd(3)
+    tried, regret = {}, {}
+    for unimodal in (False, True):
+        b = ContextualBandit(SD8, seed=seed, prior=lambda c, a: truth(c, a, 0), prior_group=lambda a: a[0],
+                             unimodal=unimodal, min_hold=4, hysteresis=0.03)
+        played, steps_regret = simulate(b, truth, 200, seed=seed)
+        tried[unimodal] = {a for a in played if a[0] == "sd"}
+        regret[unimodal] = steps_regret.sum()
+        assert b.best(0) == ("sd", 3)
+    assert len(tried[False]) >= 6 and len(tried[True]) <= 4, tried
+    assert tried[True] <= {("sd", g) for g in (2, 3, 4, 5)}
+    assert regret[True] < 0.85 * regret[False], regret
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unimodal_groups_walk_off_a_wrong_prior_to_the_best_gamma(seed):
+    """The prior puts the best gamma at 8; the truth at 2. One gamma at a time, the leader walks
+    down to 2, and the tail plays it and its neighbours (4 % dearer, within the noise)."""
+    truth = unimodal_sd(2)
+    wrong = lambda c, a: 1.0 if a[0] == "ar" else 0.7 * (1.0 + 0.04 * (8 - a[1]))  # noqa: E731
+    b = ContextualBandit(SD8, seed=seed, prior=wrong, prior_group=lambda a: a[0], unimodal=True,
+                         min_hold=4, hysteresis=0.03)
+    played, _ = simulate(b, truth, 1500, seed=seed)
+    assert b.best(0) == ("sd", 2)
+    near = {("sd", g) for g in (1, 2, 3)}
+    assert np.mean([a in near for a in played[-500:]]) > 0.9, Counter(played[-500:]).most_common(3)
+
+
 def test_the_bandit_reads_the_prior_again_only_when_its_inputs_change():
     """A decision reads every arm's prior; with ``prior_inputs`` a bin reads it once per change
     of those inputs and otherwise decides exactly as a bandit that reads it every time."""
@@ -571,6 +613,8 @@ def test_planner_config_from_engine_json():
     assert (cfg.bandit.explore, cfg.bandit.min_hold, cfg.bandit.stale_after) == (1.0, 2, 100)
     assert isinstance(cfg.bandit.explore, float)
     assert cfg.bandit.hysteresis == 0.03            # the planner's default, not the bandit's
+    assert cfg.bandit.unimodal                      # likewise
+    assert not PlannerConfig.from_dict({"unimodal": False}).bandit.unimodal
     assert PlannerConfig.from_dict(cfg.to_dict()) == cfg
     assert PlannerConfig.from_dict(None) == PlannerConfig.from_dict({}) == PlannerConfig()
     keys = PlannerConfig.known_keys()
@@ -597,6 +641,7 @@ def test_planner_config_from_engine_json():
     ({"wall_includes_rebuild": 1}, r"^wall_includes_rebuild: must be true or false"),
     ({"reload_s": -1.0}, r"^reload_s: must be >= 0"),
     ({"explore": float("inf")}, r"^explore: must be a finite number"),
+    ({"unimodal": 1}, r"^unimodal: must be true or false"),
 ])
 def test_planner_config_refuses_what_it_cannot_run(settings, message):
     with pytest.raises(ValueError, match=message):

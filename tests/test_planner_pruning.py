@@ -85,9 +85,11 @@ def test_where_plain_decoding_is_better_the_planner_settles_there(seed):
 def test_pruning_cuts_the_exploration_of_losing_arms():
     # The same run with and without pruning: with it, the arms that cost over 10 % more per token
     # than the best (the simulation knows every arm's true cost) are played far less once the
-    # pressure has lasted.
+    # pressure has lasted. Every gamma stays a candidate (no unimodal rule), so what is cut is
+    # pruning's doing.
+    every_gamma = replace(PLANNER_BANDIT, unimodal=False)
     def losers_played(prune):
-        p = planner_for(SD_WINS, PlannerConfig(prune=prune))
+        p = planner_for(SD_WINS, PlannerConfig(prune=prune, bandit=every_gamma))
         decisions, _ = run(p, SD_WINS, seed=1)
         best = oracle(SD_WINS, p.arms)
         return sum(SD_WINS.per_token(d.arm, BATCH) > 1.1 * best for d in decisions[500:])
