@@ -13,7 +13,9 @@ of the arms. The rescaling is common to all arms of a bin, so it does not bias t
 ``step_wall_s`` may include the drafter's catch-up done inside the step
 (``wall_includes_rebuild=True``, the default: it is subtracted, so the arm's loss is its
 steady-state cost and the catch-up is charged once, as the switching cost), and the prefill's
-share of the target forward (priced by :class:`~planner.step_costs.ForwardCost`) is taken off.
+share of the target forward, priced at the cheapest placement's rate
+(:class:`~planner.step_costs.ForwardCost`), is taken off: an arm whose forward runs on fewer
+cores keeps the extra its prefill costs there.
 Each step is weighted by its tokens over the bin's usual tokens per step, so an arm's mean is its
 total time over its total tokens.
 """
@@ -127,11 +129,11 @@ class StepLoss:
 
     def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: int,
                 drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
-                forward_s: float) -> StepCost:
+                forward_s: float, forward_cores: int = 0) -> StepCost:
         tokens = max(int(tokens_committed), 1)
         tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), float(tokens), 0.1)
         wall = float(step_wall_s)
-        self.forward_cost.observe(forward_tokens, forward_s)
+        self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
         if prefill_tokens > 0:

@@ -194,6 +194,7 @@ class MemoryRule:
         self._bandit = bandit            # a ContextualBandit: means(), interrupt()
         self._bins = bins                # a ContextBins: context(), norm()
         self._forward_cost = forward_cost
+        self._ar_cores: int | None = None   # the placement plain decoding last ran on
         self._has_ar = has_ar
         self.offload_requests = 0
         self.hold_steps = 0
@@ -285,8 +286,10 @@ class MemoryRule:
         self._road_closed = False
         return True
 
-    def observe_ar(self, wall_s: float, tokens: int) -> None:
-        """A plain-decoding step's wall time, for the running offload's check."""
+    def observe_ar(self, wall_s: float, tokens: int, forward_cores: int = 0) -> None:
+        """A plain-decoding step's wall time, for the running offload's check, and the cores
+        its forward ran on (whose cost line predicts plain decoding at a bigger batch)."""
+        self._ar_cores = forward_cores
         if self.check is not None and math.isfinite(wall_s):
             self.check.observe(wall_s, tokens)
 
@@ -357,7 +360,8 @@ class MemoryRule:
         ar_here = self._bandit.means(ctx).get(AR.arm)
         if ar_here is not None and ar_here[1] >= min_obs:
             overhead = self._serving.estimate() if self._serving is not None else None
-            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b), overhead)
+            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b), overhead,
+                                                       cores=self._ar_cores)
             if ar_at_b2 is not None:
                 return spec_now / ar_at_b2, spec_now
         ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))

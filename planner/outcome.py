@@ -24,6 +24,7 @@ class StepOutcome:
     prefill_tokens: int = 0            # prompt tokens fed this step (their time is not the arm's)
     forward_tokens: int = 0            # tokens the target's forward took ...
     forward_s: float = 0.0             # ... and its time
+    forward_cores: int = 0             # ... and the cores it ran on (0: one placement, not told)
     ngram_matched: int = 0             # positions the n-gram lookup's drafts would have matched ...
     ngram_compared: int = 0            # ... of those checked against this step's tokens
     decoded: bool = True               # a sequence decoded: False for a step that fed only prompts

@@ -188,7 +188,7 @@ class Planner:
             self._switch.observe_reload(o.drafter_reload_s)
             self._drafter.reloaded()
         if not o.decoded:       # only prompts: the forward's cost line learns from it, no arm does
-            self.forward_cost.observe(o.forward_tokens, o.forward_s)
+            self.forward_cost.observe(o.forward_tokens, o.forward_s, o.forward_cores)
             return
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
@@ -196,13 +196,14 @@ class Planner:
         cost = self._loss.measure(
             ctx, self._batch if self._ctx is not None else o.batch_size, step_wall_s=o.step_wall_s,
             tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
-            prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s)
+            prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
+            forward_cores=o.forward_cores)
         if cost.loss is not None and decision.arm in self._decisions:
             self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR:
-            self._memory.observe_ar(cost.wall_s, cost.tokens)
+            self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
         elif decision.uses_drafter:
             if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)

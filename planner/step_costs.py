@@ -15,6 +15,14 @@ measurements, and uses twice.
 The line is fitted over every step, whatever the arm (a speculative step feeds more tokens per
 sequence, a prefill many more), so it is known early and spans a wide range of sizes. It is a
 running least-squares fit with exponential forgetting, so it follows slow drift.
+
+**One line per placement.** Where the target's forward runs on a number of cores that depends on
+the arm (on CPU, plain decoding borrows the drafter's cores, a speculative step leaves them to
+the drafter), prefill does not cost the same under every arm: the prompts an arm feeds on fewer
+cores take it longer. So each placement (the cores the forward ran on, as the engine reports
+it) has its own line, and a step's prefill is taken off at the *cheapest* placement's rate, the
+cost of feeding those prompts that no arm can avoid; what a slower placement adds to it stays in
+the arm's loss. With one placement (a GPU, or no lending) this is the single line of before.
 """
 from __future__ import annotations
 
@@ -67,34 +75,49 @@ class RunningLine:
 
 
 class ForwardCost:
-    """Seconds of the target's forward against the tokens it is fed."""
+    """Seconds of the target's forward against the tokens it is fed, one line per placement
+    (``cores``: the cores the forward ran on; 0 where the engine does not tell)."""
 
     def __init__(self):
-        self.line = RunningLine(forget=0.995, min_points=16, min_rel_spread=0.1)
+        self.lines: dict[int, RunningLine] = {}
 
-    def observe(self, tokens_fed: int, forward_s: float) -> None:
+    def observe(self, tokens_fed: int, forward_s: float, cores: int = 0) -> None:
         if tokens_fed > 0 and forward_s > 0:
-            self.line.add(tokens_fed, forward_s)
+            line = self.lines.get(cores)
+            if line is None:
+                line = self.lines[cores] = RunningLine(forget=0.995, min_points=16, min_rel_spread=0.1)
+            line.add(tokens_fed, forward_s)
+
+    def _fit(self, cores: int | None) -> tuple[float, float] | None:
+        """The line of placement `cores`; with None, the fitted line of the lowest slope."""
+        if cores is not None:
+            line = self.lines.get(cores)
+            return line.fit() if line is not None else None
+        fits = [f for f in (line.fit() for line in self.lines.values()) if f is not None]
+        return min(fits, key=lambda f: f[1]) if fits else None
 
     @property
     def seconds_per_token(self) -> float | None:
-        fit = self.line.fit()
+        """The cheapest placement's seconds per token fed (None before any line is fitted)."""
+        fit = self._fit(None)
         return max(fit[1], 0.0) if fit is not None else None
 
     def prefill_seconds(self, prefill_tokens: int) -> float:
-        """The share of a step's forward that went to `prefill_tokens` prompt tokens."""
+        """The share of a step's forward that `prefill_tokens` prompt tokens take at the cheapest
+        placement's rate: what feeding them costs whichever arm runs."""
         slope = self.seconds_per_token
         return slope * prefill_tokens if slope is not None and prefill_tokens > 0 else 0.0
 
     def per_token_at(self, b: float, b2: float, wall_per_token: float,
-                     overhead: StepOverhead | None = None) -> float | None:
+                     overhead: StepOverhead | None = None, cores: int | None = None) -> float | None:
         """Plain decoding's per-token *wall* time at batch b2, from its measured `wall_per_token`
-        at batch b: the forward's share follows the line (its fixed cost amortises over a bigger
-        batch); with the serving path's measured `overhead` (:mod:`planner.serving_cost`), its
-        cost per step amortises too and its cost per response stays one per token; the rest of a
-        step's time per token (sampling, and whatever neither accounts for) is carried over as
-        it is. None until the line is known."""
-        fit = self.line.fit()
+        at batch b: the forward's share follows the line of placement `cores`, where plain
+        decoding runs (None: the cheapest) (its fixed cost amortises over a bigger batch); with
+        the serving path's measured `overhead` (:mod:`planner.serving_cost`), its cost per step
+        amortises too and its cost per response stays one per token; the rest of a step's time
+        per token (sampling, and whatever neither accounts for) is carried over as it is. None
+        until the line is known."""
+        fit = self._fit(cores) or (self._fit(None) if cores is not None else None)
         if fit is None:
             return None
         a, c = fit[0], max(fit[1], 0.0)

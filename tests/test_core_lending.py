@@ -43,8 +43,12 @@ def test_plain_decoding_borrows_the_drafter_cores_and_speculation_gives_them_bac
             mode = next(decisions, "sd")
             return Decision("ar", 0) if mode == "ar" else Decision("sd", 2)
         ctl.planner.decide = scripted
+        reported = []               # the cores each step's outcome tells the planner
+        real_observe = ctl.planner.observe
+        ctl.planner.observe = lambda issued, o: (reported.append(o.forward_cores), real_observe(issued, o))
         out = e.generate(PROMPTS, GREEDY, on_step=lambda _: seen.append(
             (e.stats().last_step.drafted, place.lent, frozenset(os.sched_getaffinity(0)), torch.get_num_threads())))
+        assert reported == [len(all_cores) if s[1] else len(target_cores) for s in seen]
         lent = [s for s in seen if s[1]]
         assert lent, "the cores were never lent during plain decoding"
         assert all(s[0] == 0 for s in lent), "drafted while the target held the drafter's cores"

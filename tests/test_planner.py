@@ -890,6 +890,72 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
     assert mean == pytest.approx(clean, rel=0.1)
 
 
+def _lent_plain_then_unlent_sd(planner, placed: bool, rng):
+    """Plain decoding on both cores (prompts fed in their own steps there), then a long run of
+    sequential SD on the target's one core with prompts riding in half its steps, at twice the
+    per-token cost.
+    Returns SD's decode-only and with-excess-prefill per-token costs (seconds)."""
+    lent, own = (2, 1) if placed else (0, 0)
+    for i in range(100):                     # plain decoding; every 5th step feeds only prompts
+        planner.decide(LoadSignals(batch_size=16, now=i * 0.01))
+        if i % 5 == 0:
+            fwd = 0.004 + 1e-4 * 800
+            planner.observe(AR, StepOutcome(step_wall_s=fwd, tokens_committed=0, batch_size=16,
+                                            prefill_tokens=800, forward_tokens=800, forward_s=fwd,
+                                            forward_cores=lent, decoded=False))
+        else:
+            fwd = 0.004 + 1e-4 * 16
+            planner.observe(AR, StepOutcome(step_wall_s=fwd + 0.0008, tokens_committed=16, batch_size=16,
+                                            forward_tokens=16, forward_s=fwd, forward_cores=lent))
+    sd, prefills = Decision("sd", 1), []
+    for i in range(1000):            # long enough for a single line to forget plain decoding's points
+        planner.decide(LoadSignals(batch_size=16, now=1 + i * 0.01))
+        prefill = int(rng.integers(0, 200)) if i % 2 else 0
+        prefills.append(prefill)
+        fwd = 0.003 + 2e-4 * (32 + prefill)
+        planner.observe(sd, StepOutcome(step_wall_s=fwd + 0.001, tokens_committed=28, batch_size=16,
+                                        prefill_tokens=prefill, forward_tokens=32 + prefill,
+                                        forward_s=fwd, forward_cores=own))
+    decode_only = (0.003 + 2e-4 * 32 + 0.001) / 28
+    return decode_only, decode_only + 1e-4 * float(np.mean(prefills)) / 28
+
+
+def test_an_arm_on_fewer_cores_keeps_the_extra_its_prefill_costs_there():
+    """On CPU plain decoding borrows the drafter's cores and a speculative step leaves them to
+    the drafter, so prompts fed inside speculative steps cost twice as much. Only the prefill's
+    cost on the cheapest placement is no arm's doing: SD keeps the rest, and its mean is then
+    worse than plain decoding's. With the placement not told, one line prices every step's
+    prefill; as SD's steps replace plain decoding's points it takes SD's own rate and the excess
+    drops out of SD's loss."""
+    means = {}
+    for placed in (True, False):
+        p = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=1, psd_available=False, seed=0)
+        decode_only, with_excess = _lent_plain_then_unlent_sd(p, placed, np.random.default_rng(0))
+        m = p.bandit.means("b16-31")
+        norm = p.bins.norm("b16-31", 16)
+        means[placed] = (m[AR.arm][0] / norm, m[Decision("sd", 1).arm][0] / norm)
+    ar_placed, sd_placed = means[True]
+    assert ar_placed == pytest.approx((0.004 + 1e-4 * 16 + 0.0008) / 16, rel=0.05)
+    assert sd_placed == pytest.approx(with_excess, rel=0.05)
+    assert sd_placed > 1.2 * ar_placed > 1.2 * decode_only
+    _, sd_one_line = means[False]
+    assert sd_one_line < 0.9 * sd_placed
+
+
+def test_the_cost_lines_are_kept_per_placement():
+    from planner.step_costs import ForwardCost
+    fc = ForwardCost()
+    for n in range(8, 400, 8):
+        fc.observe(n, 0.004 + 1e-4 * n, cores=2)
+        fc.observe(n, 0.003 + 2e-4 * n, cores=1)
+    assert fc.seconds_per_token == pytest.approx(1e-4)          # the cheapest placement's
+    assert fc.prefill_seconds(100) == pytest.approx(0.01)
+    # plain decoding's forward at batch 8 on one core: 0.003/8 + 2e-4; at 16: 0.003/16 + 2e-4
+    assert fc.per_token_at(8, 16, 0.003 / 8 + 2e-4, cores=1) == pytest.approx(0.003 / 16 + 2e-4)
+    assert fc.per_token_at(8, 16, 0.004 / 8 + 1e-4, cores=2) == pytest.approx(0.004 / 16 + 1e-4)
+    assert fc.per_token_at(8, 16, 0.004 / 8 + 1e-4, cores=4) == pytest.approx(0.004 / 16 + 1e-4)   # unknown: the cheapest
+
+
 def test_select_restricted_to_allowed_arms():
     b = ContextualBandit(["a", "b", "c"], seed=0)
     for _ in range(30):

@@ -146,6 +146,7 @@ class AdaptiveController:
             drafter_reload_s=reload_s or 0.0,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
+            forward_cores=self.placement.target_cores_now() if self.placement is not None else 0,
             ngram_matched=matched, ngram_compared=compared, decoded=step.decoded))
 
     def _observe_serving(self, step: StepResult) -> None:

@@ -71,6 +71,10 @@ class CpuPlacement:
             self._apply(self.target_cores, self.target_threads)
             self.lent = False
 
+    def target_cores_now(self) -> int:
+        """The cores the target's forward runs on now (its own, or with the drafter's lent)."""
+        return len(self.target_cores) + (len(self.drafter_cores) if self.lent else 0)
+
     @staticmethod
     def _apply(cores: list[int], threads: int) -> None:
         # Compared with what is in force, not with what this object last set: a caller (a
