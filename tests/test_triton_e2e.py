@@ -465,17 +465,22 @@ def test_perf_analyzer_short_streaming_run(triton_server, tmp_path, perf_analyze
     script = REPO / "scripts" / "perf_analyzer.sh"
     export = tmp_path / "pa.json"
     env = dict(os.environ, PERF_ANALYZER=perf_analyzer_bin)
-    proc = subprocess.run(
-        [str(script), "-u", triton_server.grpc_url, "-c", "2", "-n", "8", "-o", str(export), "--",
-         "--measurement-mode", "count_windows", "--measurement-request-count", "8",
-         "--max-trials", "3", "--stability-percentage", "999"],
-        capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    out = proc.stdout + proc.stderr
+
+    def run():
+        proc = subprocess.run(
+            [str(script), "-u", triton_server.grpc_url, "-c", "2", "-n", "8", "-o", str(export), "--",
+             "--measurement-mode", "count_windows", "--measurement-request-count", "8",
+             "--max-trials", "3", "--stability-percentage", "999"],
+            capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+        return proc, proc.stdout + proc.stderr
+    proc, out = run()
+    if "wrote no profile export" in out:     # perf_analyzer's own lapse (the script says so): once more
+        proc, out = run()
     if proc.returncode == 3:
         pytest.skip(f"perf_analyzer cannot run here: {out.strip().splitlines()[-1]}")
     assert proc.returncode == 0, out[-3000:]
     assert "Throughput" in out
-    assert "TTFT" in out
+    assert "TTFT" in out, out[-3000:]
     data = json.loads(export.read_text())
     reqs = data["experiments"][0]["requests"]
     assert reqs and all(len(r["response_timestamps"]) > 1 for r in reqs), "responses were not streamed"
