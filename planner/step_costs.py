@@ -22,7 +22,7 @@ the drafter), prefill does not cost the same under every arm: the prompts an arm
 cores take it longer. So each placement (the cores the forward ran on, as the engine reports
 it) has its own line, and a step's prefill is taken off at the *cheapest* placement's rate, the
 cost of feeding those prompts that no arm can avoid; what a slower placement adds to it stays in
-the arm's loss. With one placement (a GPU, or no lending) this is the single line of before.
+the arm's loss. With one placement (a GPU, or no lending) there is a single line.
 """
 from __future__ import annotations
 
