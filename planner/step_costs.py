@@ -117,7 +117,7 @@ class ForwardCost:
         amortises too and its cost per response stays one per token; the rest of a step's time
         per token (sampling, and whatever neither accounts for) is carried over as it is. None
         until the line is known."""
-        fit = self._fit(cores) or (self._fit(None) if cores is not None else None)
+        fit = (self._fit(cores) if cores is not None else None) or self._fit(None)
         if fit is None:
             return None
         a, c = fit[0], max(fit[1], 0.0)
