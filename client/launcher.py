@@ -364,8 +364,24 @@ class TritonServer:
         return "\n".join(self._tail[-n:])
 
     def is_ready(self) -> bool:
+        """Ready to serve on every endpoint this launcher prints: tritonserver opens its
+        metrics port after HTTP reports ready, so a scrape right after health/ready can be
+        refused; both must answer."""
+        return (self._answers(f"http://{self.http_url}/v2/health/ready")
+                and (not self.serves_metrics or self._answers(self.metrics_url)))
+
+    @property
+    def serves_metrics(self) -> bool:
+        """False when the extra arguments turn metrics off (the last --allow-metrics wins)."""
+        cmd = self.command()
+        values = [a.split("=", 1)[1] if "=" in a else (cmd[i + 1] if i + 1 < len(cmd) else "true")
+                  for i, a in enumerate(cmd) if a.split("=", 1)[0] == "--allow-metrics"]
+        return values[-1].lower() not in ("false", "0", "no", "off")
+
+    @staticmethod
+    def _answers(url: str) -> bool:
         try:   # never through a proxy (http_proxy in the environment): the server is local
-            with _NO_PROXY.open(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+            with _NO_PROXY.open(url, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
