@@ -4,15 +4,18 @@ Offloading the drafter (weights to host memory, its KV pool released, the target
 by the freed bytes) pays only while requests are short of KV blocks, and costs a reload, a
 catch-up prefill and a shrink of the pool when speculation returns. So the policy acts on
 *sustained* memory pressure only: the pressure level is an exponential average of the per-step
-indicator "requests wait, or the pool is at least ``kv_pressure`` full" (or the GPU's memory at
-``gpu_memory_pressure``), with a window of ``offload_after_steps`` steps; it is sustained once the
-level has stayed above one half for ``offload_after_s`` seconds.
+indicator "admission left requests waiting, or the pool is at least ``kv_pressure`` full" (or
+the GPU's memory at ``gpu_memory_pressure``), with a window of ``offload_after_steps`` steps; it
+is sustained once the level has stayed above one half for ``offload_after_s`` seconds. A request
+that arrived since the last admission has not been turned away and does not count: at the start
+of a burst every request waits for one step with the pool empty.
 
-Under sustained pressure the planner asks for an offload when either
+The planner asks for an offload when either
 
-* its bandit has run plain decoding for ``offload_after_steps`` steps (speculation does not pay
-  at this batch size, so its memory is better spent on KV), or
-* plain decoding at the batch the grown pool would admit is predicted to beat the best
+* its bandit has run plain decoding for ``offload_after_steps`` steps and ``offload_after_s``
+  seconds (speculation does not pay at this batch size, so its memory is better spent on KV),
+  and the indicator holds at this step, or
+* under sustained pressure, plain decoding at the batch the grown pool would admit is predicted to beat the best
   speculative arm at the batch that fits now by ``offload_gain`` or more (with KV the
   bottleneck, a speculative arm can win per step yet lose to the bigger batch). The prediction
   comes from what the planner measured (:meth:`MemoryRule.estimate`, the planner's
@@ -74,8 +77,10 @@ class OffloadPolicy:
         self.last_gain: float | None = None    # the last predicted gain of an offload
 
     def memory_pressure(self, s: LoadSignals) -> bool:
-        """This step's indicator: requests wait, or the target's pool (or GPU) is nearly full."""
-        if s.waiting > 0 or s.kv_usage >= self.cfg.kv_pressure:
+        """This step's indicator: admission left requests waiting, or the target's pool (or
+        GPU) is nearly full. (Requests that arrived since the last admission wait too, but have
+        not been turned away: counting them offloaded at the start of a burst, the pool empty.)"""
+        if s.queued > 0 or s.kv_usage >= self.cfg.kv_pressure:
             return True
         frac = s.gpu_memory_fraction
         return frac is not None and frac >= self.cfg.gpu_memory_pressure
@@ -344,9 +349,9 @@ class MemoryRule:
         cannot grow the pool or too little is measured yet."""
         g = s.kv_growth_if_offloaded
         b = max(int(s.batch_size), 1)
-        if g is None or g <= 1.0 or s.waiting <= 0:
+        if g is None or g <= 1.0 or s.queued <= 0:
             return None                   # nobody would be admitted by a bigger pool
-        b2 = min(b * g, b + s.waiting)
+        b2 = min(b * g, b + s.queued)
         if s.batch_limit:
             b2 = min(b2, float(s.batch_limit))
         if b2 < b + 1:

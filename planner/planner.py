@@ -246,7 +246,8 @@ class Planner:
         return self._pruner.pruned(self.bins.context(signals))
 
     def memory_pressure(self, s: LoadSignals) -> bool:
-        """This step's pressure indicator: requests wait, or the KV pool (or GPU) is nearly full."""
+        """This step's pressure indicator: admission left requests waiting, or the KV pool (or
+        GPU) is nearly full."""
         return self._memory.policy.memory_pressure(s)
 
     def offload_gain(self, s: LoadSignals) -> float | None:

@@ -3,8 +3,9 @@
 Under a growing queue every step the bandit spends exploring an arm that loses costs every
 waiting request. With nine arms (plain decoding, sd:1-4, psd:1-4) the confidence bounds keep
 re-probing arms that neither the cost model nor the measurements have ever put first. So while
-pressure lasts (the offload policy's pressure level: requests wait, or the KV pool is nearly
-full, for most of the recent steps), :class:`ArmPruner` sets aside, per context bin, every arm
+pressure lasts (the offload policy's pressure level: admission leaves requests waiting, or the
+KV pool is nearly full, for most of the recent steps), :class:`ArmPruner` sets aside, per
+context bin, every arm
 
 * that the cost model's prior has not ranked first in this bin since the pressure began,
 * that the bandit's measured means have not ranked first there either (among arms measured at

@@ -26,6 +26,9 @@ from planner.demand import DemandEstimate
 class LoadSignals:
     batch_size: int                 # running (decoding) requests
     waiting: int = 0                # requests admitted but waiting (for KV blocks or a slot)
+    # of those, the ones the last admission left waiting; the rest arrived since and have not
+    # been offered admission (None: not reported, every waiting request counts)
+    left_waiting: int | None = None
     kv_usage: float = 0.0           # fraction of the target KV pool in use, 0..1
     arrival_rate: float = 0.0       # requests per second, over the last 10 s
     now: float | None = None        # time of the snapshot (time.monotonic() seconds)
@@ -51,6 +54,11 @@ class LoadSignals:
     cpu_utilization: float | None = None        # 0..1
     cpu_memory_used_bytes: float | None = None
     cpu_memory_total_bytes: float | None = None
+
+    @property
+    def queued(self) -> int:
+        """Requests that admission has turned away: a queue, not an arrival in transit."""
+        return self.waiting if self.left_waiting is None else min(self.left_waiting, self.waiting)
 
     @property
     def gpu_memory_fraction(self) -> float | None:

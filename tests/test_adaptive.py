@@ -67,6 +67,30 @@ def test_offload_then_reload_under_auto(prompts, ar_outputs):
         engine.close()
 
 
+@pytest.mark.parametrize("pool_blocks, offloads", [(None, False), (12, True)],
+                         ids=["ample-pool", "tight-pool"])
+def test_only_requests_admission_turned_away_are_memory_pressure(prompts, ar_outputs,
+                                                                 pool_blocks, offloads):
+    """In a closed loop each finished request's successor waits for one step before admission
+    takes it, with the pool nearly empty: that is not a queue, and offloading on it moved the
+    drafter to host memory at the start of a burst. With a pool too small for the burst,
+    admission turns requests away and the same settings offload."""
+    kw = {"kv_cache_bytes": pool_blocks * block_bytes()} if pool_blocks else {}
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4, **kw,
+        planner={"offload_after_steps": 2, "offload_after_s": 0.0, "kv_pressure": 1.0,
+                 "offload_demand_ratio": 0.0, "modes": ("ar",)}))
+    turned_away = []
+    try:
+        out = engine.generate(prompts[:12], GREEDY, max_concurrency=None if pool_blocks else 3,
+                              on_step=lambda _o: turned_away.append(engine.scheduler.num_left_waiting))
+        assert [c.output_ids for c in out] == ar_outputs[:12]
+        assert (max(turned_away) > 0) == offloads, turned_away
+        assert (engine.stats().offloads > 0) == offloads
+    finally:
+        engine.close()
+
+
 def test_planner_settings_are_validated():
     with pytest.raises(ConfigError, match="unknown setting"):
         EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",

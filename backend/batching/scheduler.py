@@ -57,6 +57,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Requests the last schedule left waiting (no KV blocks, batch slot or token budget for
+        # them, or a preemption this step). One that arrived since has not been offered
+        # admission yet: it is not evidence of a queue.
+        self.num_left_waiting = 0
         # Keep a few blocks free at admission so running sequences can grow a little before
         # anyone has to be preempted.
         self.watermark_blocks = max(1, kv_cache.num_blocks // 100)
@@ -117,6 +121,7 @@ class Scheduler:
 
         if not preempted:
             self._admit(scheduled, budget)
+        self.num_left_waiting = len(self.waiting)
         return scheduled
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:

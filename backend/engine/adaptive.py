@@ -112,6 +112,7 @@ class AdaptiveController:
         mem = self.memory
         signals = self.signals.snapshot(
             batch_size=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            left_waiting=self.scheduler.num_left_waiting,
             kv_usage=self.kv.usage(), now=time.perf_counter(),
             waiting_tokens=round(self.signals.demand.used_share * sum(
                 q.params.max_tokens - q.num_output_tokens for q in self.scheduler.waiting)),
