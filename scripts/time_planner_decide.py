@@ -2,11 +2,14 @@
 """Time the planner's decision alone (planner/planner.py, Planner.decide + observe): what mode
 auto adds to every engine step, in the worst case of a new batch-size bin almost every step.
 
-    .venv/bin/python scripts/time_planner_decide.py [--steps 4000] [--gamma-max 8] [--seed 0] [--json PATH]
+    .venv/bin/python scripts/time_planner_decide.py [--steps 4000] [--gamma-max 8] [--seed 0]
+        [--flush-mib 0] [--json PATH]
 
 Prints the median and 99th percentile of decide, and of observe, in microseconds (with --json,
 also writes them there). The cost profile is synthetic (linear in batch and tokens), as in
-tests/test_planner.py.
+tests/test_planner.py. With ``--flush-mib N``, N MiB are read between steps, as an engine's
+forward streams its weights and KV through the caches: the planner then runs with cold caches,
+as it does between two forwards.
 """
 from __future__ import annotations
 
@@ -36,13 +39,18 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--gamma-max", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flush-mib", type=int, default=0,
+                   help="MiB read between steps, evicting the caches as a forward does (0: none)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = p.parse_args()
     planner = Planner(gamma_max=args.gamma_max, psd_available=True, cost_profile=synthetic_profile(),
                       seed=args.seed)
     batches = np.random.default_rng(args.seed).integers(1, 100, size=args.steps)
+    flush = np.ones(args.flush_mib * 2**20 // 8) if args.flush_mib > 0 else None
     decide_s, observe_s = [], []
     for i, b in enumerate(batches):
+        if flush is not None:
+            flush.sum()
         signals = LoadSignals(batch_size=int(b), now=i * 0.01)
         t0 = time.perf_counter()
         d = planner.decide(signals)
@@ -51,7 +59,8 @@ def main() -> int:
         t2 = time.perf_counter()
         decide_s.append(t1 - t0)
         observe_s.append(t2 - t1)
-    report = {"steps": args.steps, "gamma_max": args.gamma_max, "seed": args.seed}
+    report = {"steps": args.steps, "gamma_max": args.gamma_max, "seed": args.seed,
+              "flush_mib": args.flush_mib}
     for name, xs in (("decide", decide_s), ("observe", observe_s)):
         xs = sorted(xs)
         median_us, p99_us = statistics.median(xs) * 1e6, xs[int(0.99 * (len(xs) - 1))] * 1e6
