@@ -269,6 +269,15 @@ def resolve_admin_key(explicit: str | None, env: dict[str, str]) -> str:
     return key
 
 
+def _answers(url: str) -> bool:
+    """Does this local URL answer 200?"""
+    try:   # never through a proxy (http_proxy in the environment): the server is local
+        with _NO_PROXY.open(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 class TritonServer:
     """A ``tritonserver`` child process. Use as a context manager or start()/stop()."""
 
@@ -367,8 +376,8 @@ class TritonServer:
         """Ready to serve on every endpoint this launcher prints: tritonserver opens its
         metrics port after HTTP reports ready, so a scrape right after health/ready can be
         refused; both must answer."""
-        return (self._answers(f"http://{self.http_url}/v2/health/ready")
-                and (not self.serves_metrics or self._answers(self.metrics_url)))
+        return (_answers(f"http://{self.http_url}/v2/health/ready")
+                and (not self.serves_metrics or _answers(self.metrics_url)))
 
     @property
     def serves_metrics(self) -> bool:
@@ -377,14 +386,6 @@ class TritonServer:
         values = [a.split("=", 1)[1] if "=" in a else (cmd[i + 1] if i + 1 < len(cmd) else "true")
                   for i, a in enumerate(cmd) if a.split("=", 1)[0] == "--allow-metrics"]
         return values[-1].lower() not in ("false", "0", "no", "off")
-
-    @staticmethod
-    def _answers(url: str) -> bool:
-        try:   # never through a proxy (http_proxy in the environment): the server is local
-            with _NO_PROXY.open(url, timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -699,49 +699,6 @@ def test_launcher_listens_on_loopback_by_default(tmp_path):
     assert not any("0.0.0.0" in a for a in cmd), cmd
 
 
-def _answering_http(port: int):
-    """A loopback HTTP server on PORT that answers every GET with 200, on a daemon thread."""
-    import http.server
-    import threading
-
-    class Ok(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", port), Ok)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd
-
-
-def test_launcher_is_ready_only_once_the_metrics_port_answers_too(tmp_path):
-    """tritonserver reports health/ready before its metrics port listens; a caller told "ready"
-    that scrapes at once was refused (seen in CI), so readiness waits for both."""
-    from client.launcher import TritonServer, free_port
-    http_port, metrics_port = free_port(), free_port()
-    server = TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), env={},
-                          http_port=http_port, metrics_port=metrics_port)
-    no_metrics = TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), env={},
-                              http_port=http_port, metrics_port=metrics_port,
-                              extra_args=["--allow-metrics", "false"])
-    health = _answering_http(http_port)
-    try:
-        assert not server.is_ready(), "health answers, the metrics port does not listen yet"
-        assert no_metrics.is_ready(), "with metrics turned off there is no port to wait for"
-        metrics = _answering_http(metrics_port)
-        try:
-            assert server.is_ready()
-        finally:
-            metrics.shutdown()
-            metrics.server_close()
-    finally:
-        health.shutdown()
-        health.server_close()
-
-
 def test_serve_cli_listens_on_loopback_by_default():
     assert serve_args([]).host == "127.0.0.1"
     assert serve_args(["--host", "0.0.0.0"]).host == "0.0.0.0"

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import http.server
 import json
 import os
 import queue
 import shutil
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -27,37 +25,12 @@ import pytest
 
 from backend.serving.drain import UNLOAD_POLL_S
 from backend.serving.request import InflightRequests
+from helpers.local_http import answering
 
 READY_PATH = "/v2/models/nightdraft/versions/1/ready"
 
 
 # ------------------------------------------------------------------ the probe, without a server
-
-
-@contextlib.contextmanager
-def answering(status: int | None = None, raw: bytes | None = None):
-    """A local HTTP server that answers every GET with `status`, or with the bytes `raw`."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if raw is not None:
-                self.wfile.write(raw)
-                return
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_the_probe_tells_not_ready_from_no_answer():
@@ -92,6 +65,24 @@ def test_the_probe_never_asks_a_proxy(monkeypatch):
         assert ReadinessProbe("127.0.0.1", port, READY_PATH).poll() is Readiness.READY
 
 
+def test_the_launcher_is_ready_only_once_the_metrics_port_answers_too(tmp_path):
+    """tritonserver reports health/ready before its metrics port listens; a caller told "ready"
+    that scraped at once was refused (seen in CI), so the launcher's readiness waits for both."""
+    from client.launcher import TritonServer, free_port
+    from test_deployment import fake_tritonserver
+
+    def server(metrics_port, extra=()):
+        return TritonServer(tmp_path, tritonserver=fake_tritonserver(tmp_path), env={},
+                            http_port=health, metrics_port=metrics_port, extra_args=list(extra))
+    with answering(200) as health:
+        closed = free_port()
+        assert not server(closed).is_ready(), "health answers, the metrics port does not listen"
+        assert server(closed, ["--allow-metrics", "false"]).is_ready(), \
+            "with metrics turned off there is no port to wait for"
+        with answering(200) as metrics:
+            assert server(metrics).is_ready()
+
+
 def test_the_launcher_sees_its_server_ready_past_an_http_proxy():
     """`nightdraft serve` waits for its own server's readiness; an http_proxy in its environment
     without no_proxy for loopback must not send that request to the proxy."""
@@ -99,7 +90,8 @@ def test_the_launcher_sees_its_server_ready_past_an_http_proxy():
     import sys
 
     code = ("import sys, types; from client.launcher import TritonServer; "
-            "sys.exit(0 if TritonServer.is_ready(types.SimpleNamespace(http_url=sys.argv[1])) else 1)")
+            "sys.exit(0 if TritonServer.is_ready(types.SimpleNamespace(http_url=sys.argv[1], "
+            "metrics_url=f'http://{sys.argv[1]}/metrics', serves_metrics=True)) else 1)")
     with answering(200) as port, answering(502) as proxy:
         env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "http_proxy")}
         env |= {"http_proxy": f"http://127.0.0.1:{proxy}", "HTTP_PROXY": f"http://127.0.0.1:{proxy}"}
