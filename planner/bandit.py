@@ -403,6 +403,15 @@ class ContextualBandit:
             if abs(b.ewma[i] / b.ewma_w[i] - m) > thr:
                 self._on_shift(b, i)
 
+    def count_play(self, context: Context, arm: Arm) -> None:
+        """A step run with `arm` in `context` whose time was not the arm's own (it carried a
+        switch's cost, priced apart): counted as played, not measured."""
+        i = self._index[arm]
+        b = self._bin(context)
+        b.t += 1
+        b.plays[i] += 1
+        self._plays_total[i] += 1
+
     def _on_shift(self, b: _Bin, i: int) -> None:
         level = float(b.ewma[i] / b.ewma_w[i])
         self._shrink(b, self.config.shift_keep)

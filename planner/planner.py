@@ -101,6 +101,7 @@ class Planner:
                                        prior_inputs=self._prior.inputs if self._prior else None)
         self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
         self._turn_on: tuple[int, float] = (-1, 0.0)   # (step, a turn-on's cost in loss units)
+        self._drafted_last = False    # the last step that decoded used the drafter
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)
@@ -198,12 +199,20 @@ class Planner:
             tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
             forward_cores=o.forward_cores)
+        # The first plain step after a drafting one carries the turn-off: the switch's cost,
+        # not plain decoding's (SwitchCost.observe_plain).
+        turning_off = decision.mode is Mode.AR and self._drafted_last
         if cost.loss is not None and decision.arm in self._decisions:
-            self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
+            if turning_off:
+                self.bandit.count_play(ctx, decision.arm)
+            else:
+                self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
+        self._drafted_last = decision.uses_drafter
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
+            self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:
             if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)
@@ -272,22 +281,25 @@ class Planner:
 
     def _switch_cost(self, a_from: Arm, a_to: Arm) -> float:
         """The bandit's switching cost, in loss units (summed per-token latencies): the
-        drafter's catch-up (and reload) when a drafter arm follows one without. One value per
-        step for every drafter arm (the bandit asks for each)."""
+        drafter's catch-up (and reload) when a drafter arm follows one without, and the first
+        plain step's extra when plain decoding follows a drafter arm. One value per step for
+        every arm (the bandit asks for each)."""
+        if a_from in self._drafter_arms and a_to == AR.arm:
+            return self._as_loss(max(self._switch.turn_off_s or 0.0, 0.0))
         if a_from in self._drafter_arms or a_to not in self._drafter_arms:
             return 0.0
         step, cost = self._turn_on
         if step != self.steps:
-            cost = self._turn_on_loss()
+            cost = self._as_loss(self.estimated_switch_cost_s())
             self._turn_on = (self.steps, cost)
         return cost
 
-    def _turn_on_loss(self) -> float:
-        c = self.estimated_switch_cost_s()
-        if c <= 0:
+    def _as_loss(self, seconds: float) -> float:
+        """Seconds of one step, in this bin's loss units (summed per-token latencies)."""
+        if seconds <= 0:
             return 0.0
         tps = self._loss.tokens_per_step(self._ctx) or float(max(self._batch, 1))
-        return c / tps * self.bins.norm(self._ctx, self._batch)
+        return seconds / tps * self.bins.norm(self._ctx, self._batch)
 
     # ------------------------------------------------------------------ reporting
 

@@ -11,6 +11,14 @@ no catch-up; a sequence rarely runs longer than the cap). Before the first measu
 rebuild estimate is the configured ``rebuild_s_per_token``, else the cost profile's drafter
 time per token at its largest measured batch (an upper bound of a prefill's per-token cost),
 else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
+
+Turning the drafter off costs too: the first plain step after a drafting one runs slower than
+the plain steps after it (the drafter's cores change hands, a pipelined draft is let go; on the
+2-core CPU host, 2026-12-04, +3.5 ms after SD and +10 ms after PSD on a 4.4 ms step at batch
+8). :meth:`SwitchCost.observe_plain` measures that extra against the plain steps that follow
+(an EWMA of their time per token, at the same weight) and the planner charges it to any
+sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
+blocks between speculative ones would otherwise carry every turn-off in its own cost.
 """
 from __future__ import annotations
 
@@ -37,6 +45,9 @@ class SwitchCost:
         self._lag_tokens = 0                   # tokens committed while the drafter was off
         self._off_steps = 0                    # ar steps since the drafter last drafted
         self._lag_at_turn_on: int | None = None
+        self.turn_off_s: float | None = None    # the first plain step's extra after drafting
+        self.turn_off_samples = 0
+        self._plain_s_per_token: float | None = None   # the plain steps after that first one
 
     def lag_tokens(self) -> int:
         """Tokens the drafter would have to catch up on if turned on now."""
@@ -61,6 +72,18 @@ class SwitchCost:
         self._lag_tokens += int(tokens_committed)
         self._off_steps += 1
 
+    def observe_plain(self, wall_s: float, tokens: int, *, first_after_drafting: bool) -> None:
+        """A plain step's wall time (less its prefill share) and tokens: the first one after a
+        drafting step prices the turn-off, the others what a plain step costs without one."""
+        tokens = max(int(tokens), 1)
+        if not first_after_drafting:
+            self._plain_s_per_token = ewma(self._plain_s_per_token, wall_s / tokens, self._cfg.cost_ewma)
+        elif self._plain_s_per_token is not None:
+            # unclipped: noise averages out, and only a positive mean is charged
+            extra = wall_s - tokens * self._plain_s_per_token
+            self.turn_off_s = ewma(self.turn_off_s, extra, self._cfg.cost_ewma)
+            self.turn_off_samples += 1
+
     def observe_on(self, rebuild_s: float) -> None:
         """A speculative step, with the catch-up it began with (0: none)."""
         if rebuild_s > 0:
@@ -83,4 +106,5 @@ class SwitchCost:
         return {"rebuild_s_per_token": self.rebuild_s_per_token, "reload_s": self.reload_s,
                 "rebuild_samples": self.rebuild_samples, "reload_samples": self.reload_samples,
                 "lag_tokens": self.lag_tokens(), "turn_on_cost_s_now": self.estimate_s(offloaded),
+                "turn_off_s": self.turn_off_s, "turn_off_samples": self.turn_off_samples,
                 "drafter_offloaded": offloaded}

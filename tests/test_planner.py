@@ -1092,3 +1092,38 @@ def test_the_planner_picks_ngram_drafts_when_they_would_have_matched():
     assert p.current == Decision("ngram", 3) and modes["ngram"] > 30
     p, modes = run(shadow=False)
     assert p.summary()["ngram_alpha_estimate"] is None and modes["ngram"] == 0
+
+
+def _plain_blocks_between_drafting(turn_off_s: float, rounds: int = 40) -> Planner:
+    """sd:2 for 4 steps then plain decoding for 8, `rounds` times, at batch 8: plain steps take
+    4.4 ms for 8 tokens, sd steps 8 ms for 16, and the first plain step after drafting
+    `turn_off_s` more (the 2-core host measured +3.5 ms after SD, +10 ms after PSD)."""
+    p = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=3, psd_available=False, seed=0)
+    sd, t = Decision("sd", 2), 0.0
+    for _ in range(rounds):
+        for i, d in enumerate([sd] * 4 + [AR] * 8):
+            t += 0.005
+            p.decide(LoadSignals(batch_size=8, now=t))
+            wall, tokens = (0.008, 16) if d is sd else (0.0044 + (turn_off_s if i == 4 else 0.0), 8)
+            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=8))
+    return p
+
+
+def test_the_first_plain_step_after_drafting_prices_the_turn_off_not_plain_decoding():
+    """Plain decoding measured in short blocks between speculative ones used to carry every
+    turn-off's extra in its own mean (at batch 4 it then looked worse than speculation, which
+    it beats); the extra is the switch's cost, charged to a speculative -> plain switch."""
+    p = _plain_blocks_between_drafting(turn_off_s=0.010)
+    ctx = p.bins.context(LoadSignals(batch_size=8))
+    measured = p.bandit.measured(ctx)
+    ratio = measured[AR.arm][0] / measured[Decision("sd", 2).arm][0]
+    assert ratio == pytest.approx(0.0044 / 8 / (0.008 / 16), rel=0.03), \
+        f"plain decoding's mean carries the turn-off: {ratio:.3f} of sd's"
+    assert p.stats()["switch_cost"]["turn_off_s"] == pytest.approx(0.010, rel=0.05)
+    assert p._switch_cost(Decision("sd", 2).arm, AR.arm) > 0
+    assert p._switch_cost(AR.arm, AR.arm) == 0.0
+    assert sum(p.bandit.arm_counts().values()) == 40 * 12, "a turn-off step still counts as played"
+    # without a turn-off extra nothing is charged
+    q = _plain_blocks_between_drafting(turn_off_s=0.0)
+    assert abs(q.stats()["switch_cost"]["turn_off_s"]) < 1e-6
+    assert q._switch_cost(Decision("sd", 2).arm, AR.arm) == 0.0
