@@ -14,8 +14,8 @@ else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
 
 Turning the drafter off costs too: the first plain step after a drafting one runs slower than
 the plain steps after it (the drafter's cores change hands, a pipelined draft is let go; on the
-2-core CPU host, 2026-12-04, +3.5 ms after SD and +10 ms after PSD on a 4.4 ms step at batch
-8). :meth:`SwitchCost.observe_plain` measures that extra against the plain steps that follow
+2-core CPU host at batch 8, about +9 ms after PSD on a 6 ms step: ``scripts/turn_off_cost.py``).
+:meth:`SwitchCost.observe_plain` measures that extra against the plain steps that follow
 (an EWMA of their time per token, at the same weight) and the planner charges it to any
 sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
 blocks between speculative ones would otherwise carry every turn-off in its own cost.

@@ -1097,7 +1097,7 @@ def test_the_planner_picks_ngram_drafts_when_they_would_have_matched():
 def _plain_blocks_between_drafting(turn_off_s: float, rounds: int = 40) -> Planner:
     """sd:2 for 4 steps then plain decoding for 8, `rounds` times, at batch 8: plain steps take
     4.4 ms for 8 tokens, sd steps 8 ms for 16, and the first plain step after drafting
-    `turn_off_s` more (the 2-core host measured +3.5 ms after SD, +10 ms after PSD)."""
+    `turn_off_s` more (scripts/turn_off_cost.py: about +9 ms after PSD on the 2-core host)."""
     p = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=3, psd_available=False, seed=0)
     sd, t = Decision("sd", 2), 0.0
     for _ in range(rounds):
