@@ -15,10 +15,10 @@ The planner asks for an offload when either
 * its bandit has run plain decoding for ``offload_after_steps`` steps and ``offload_after_s``
   seconds (speculation does not pay at this batch size, so its memory is better spent on KV),
   and the indicator holds at this step, or
-* under sustained pressure, plain decoding at the batch the grown pool would admit is predicted to beat the best
-  speculative arm at the batch that fits now by ``offload_gain`` or more (with KV the
-  bottleneck, a speculative arm can win per step yet lose to the bigger batch). The prediction
-  comes from what the planner measured (:meth:`MemoryRule.estimate`, the planner's
+* under sustained pressure, plain decoding at the batch the grown pool would admit is
+  predicted to beat the best speculative arm at the batch that fits now by ``offload_gain``
+  or more (with KV the bottleneck, a speculative arm can win per step yet lose to the bigger
+  batch). The prediction comes from what the planner measured (:meth:`MemoryRule.estimate`, the planner's
   ``offload_gain``); ``offload_gain <= 0`` offloads on sustained pressure alone.
 
 Both roads also need demand above capacity (``offload_demand_ratio``): the tokens per second

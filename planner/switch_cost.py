@@ -15,8 +15,8 @@ else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
 Turning the drafter off costs too: the first plain step after a drafting one runs slower than
 the plain steps after it (the drafter's cores change hands, a pipelined draft is let go; on the
 2-core CPU host at batch 8, about +9 ms after PSD on a 6 ms step: ``scripts/turn_off_cost.py``).
-:meth:`SwitchCost.observe_plain` measures that extra against the plain steps that follow
-(an EWMA of their time per token, at the same weight) and the planner charges it to any
+:meth:`SwitchCost.observe_plain` measures that extra against the other plain steps (an EWMA
+of their time per token, at the same weight) and the planner charges it to any
 sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
 blocks between speculative ones would otherwise carry every turn-off in its own cost.
 """
@@ -47,7 +47,7 @@ class SwitchCost:
         self._lag_at_turn_on: int | None = None
         self.turn_off_s: float | None = None    # the first plain step's extra after drafting
         self.turn_off_samples = 0
-        self._plain_s_per_token: float | None = None   # the plain steps after that first one
+        self._plain_s_per_token: float | None = None   # the other plain steps, a token
 
     def lag_tokens(self) -> int:
         """Tokens the drafter would have to catch up on if turned on now."""
@@ -74,7 +74,7 @@ class SwitchCost:
 
     def observe_plain(self, wall_s: float, tokens: int, *, first_after_drafting: bool) -> None:
         """A plain step's wall time (less its prefill share) and tokens: the first one after a
-        drafting step prices the turn-off, the others what a plain step costs without one."""
+        drafting step prices the turn-off against what the others cost a token."""
         tokens = max(int(tokens), 1)
         if not first_after_drafting:
             self._plain_s_per_token = ewma(self._plain_s_per_token, wall_s / tokens, self._cfg.cost_ewma)
