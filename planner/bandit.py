@@ -379,15 +379,13 @@ class ContextualBandit:
         loss, w = float(loss), float(weight)
         if not math.isfinite(loss) or not (w > 0 and math.isfinite(w)):
             return
+        self.count_play(context, arm)
         i = self._index[arm]
         b = self._bin(context)
         if self.config.discount < 1.0:
             b.sums *= self.config.discount
-        b.t += 1
         n, s, ss = float(b.n[i]) + w, float(b.s[i]) + w * loss, float(b.ss[i]) + w * loss * loss
         b.n[i], b.s[i], b.ss[i] = n, s, ss
-        b.plays[i] += 1
-        self._plays_total[i] += 1
         # change detection on the arm that ran
         a = self.config.detect_alpha
         if b.ewma_n[i] == 0:
@@ -404,8 +402,9 @@ class ContextualBandit:
                 self._on_shift(b, i)
 
     def count_play(self, context: Context, arm: Arm) -> None:
-        """A step run with `arm` in `context` whose time was not the arm's own (it carried a
-        switch's cost, priced apart): counted as played, not measured."""
+        """A step run with `arm` in `context`, counted as played (``update`` does this too);
+        alone, for a step whose time was not the arm's own (it carried a switch's cost, priced
+        apart): played, not measured."""
         i = self._index[arm]
         b = self._bin(context)
         b.t += 1
