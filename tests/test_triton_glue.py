@@ -327,14 +327,21 @@ class FakePbFull(FakePb):
 
 
 class FakeSender:
+    """As Triton's Python backend's response sender, which frees the request's response factory
+    with the final flag: a question about cancellation after it is counted (the real server
+    reads freed memory there and crashes)."""
+
     def __init__(self):
         self.sent = []          # (response or None, flags)
         self.cancelled = False
+        self.asked_after_final = 0
 
     def send(self, response=None, flags=0):
         self.sent.append((response, flags))
 
     def is_cancelled(self):
+        if self.finals():
+            self.asked_after_final += 1
         return self.cancelled
 
     def finals(self):
@@ -600,6 +607,52 @@ def test_a_cancellation_while_the_request_is_tokenized_still_aborts_it():
     assert len(loop.aborted) == 1, "the cancellation was lost: the request runs on"
     (final,) = req.sender.finals()
     assert (final.error.message, final.error.code) == ("request cancelled by the client", "CANCELLED")
+
+
+def test_a_request_refused_inside_submit_is_not_asked_about_cancellation_after_its_final_flag():
+    """Admission fails inside ``submit`` (the prompt is too long once tokenized) while the
+    response thread polls the requests in flight, this one among them: execute sends its error
+    with the final flag, and the poll must not ask its sender about cancellation afterwards
+    (Triton frees the response factory with the final flag; the question crashed tritonserver
+    under the soak)."""
+    import threading
+
+    in_submit, asking, answered = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowSender(FakeSender):
+        def is_cancelled(self):          # the running request's question takes a while
+            asking.set()
+            answered.wait(5)
+            return super().is_cancelled()
+
+    class RefusingLoop(ScriptedLoop):
+        def submit(self, request_id, prompt, params, callback):
+            if prompt != "too long":
+                return super().submit(request_id, prompt, params, callback)
+            in_submit.set()
+            asking.wait(5)                # refused while the poll asks about the running one
+            raise InvalidRequest("the prompt has 2000 tokens; the context holds 1024")
+
+    model = served_model(TextRequest, None, loop=RefusingLoop(lambda p, _: []))
+    model.responses.stop()               # the poll runs below, at the moment that matters
+    running = FakeServedRequest({"text_input": np.array([b"running"], dtype=np.object_)})
+    running.sender = SlowSender()
+    refused = FakeServedRequest({"text_input": np.array([b"too long"], dtype=np.object_)})
+    model.execute([running])
+
+    def execute_then_answer():
+        model.execute([refused])
+        answered.set()
+    t = threading.Thread(target=execute_then_answer)
+    t.start()
+    assert in_submit.wait(5)
+    model.responses.poll_cancelled()     # both in flight when it starts; the running one first
+    t.join(5)
+    assert answered.is_set() and asking.is_set()
+    (final,) = refused.sender.finals()
+    assert final.error.code == "INVALID_ARG"
+    assert refused.sender.asked_after_final == 0, "asked about cancellation after its final flag"
+    assert [r.request for r in model.inflight.watched()] == [running]
 
 
 def test_a_client_request_id_is_logged_escaped():

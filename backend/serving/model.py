@@ -138,7 +138,7 @@ class GenerationModel:
         # Anything left (the response thread died or timed out) still gets its final flag.
         for r in self.inflight.take_all():
             if not r.final_sent:
-                r.final_sent = True
+                r.mark_final()
                 send_error(self.pb, r.sender, "the model was unloaded before the request finished",
                            "UNAVAILABLE", self.model_name)
         if self.metrics is not None:
@@ -236,6 +236,7 @@ class GenerationModel:
             self.loop.submit(r.id, r.prompt, r.params, self.responses.callback(r))
         except BaseException:
             self.inflight.remove(r)
+            r.mark_final()      # execute sends its final flag (the error) next
             raise
         # A cancellation noticed while the request was being tokenized (inside submit) was an
         # abort of an id the engine did not know yet, so it did nothing: abort it now.

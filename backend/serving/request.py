@@ -57,6 +57,12 @@ class ServedRequest:
         self.num_output_tokens = 0
         self.cancelled = False
         self.final_sent = False
+        # Triton's Python backend frees a request's response factory when its final flag is
+        # sent, so asking the sender about cancellation after that reads freed memory and takes
+        # the server down (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled). The final
+        # flag goes out on the response thread, or on the execute thread when admission fails;
+        # this lock keeps the question and the flag apart.
+        self._final_lock = threading.Lock()
 
     # ---- the schema's side
 
@@ -91,12 +97,24 @@ class ServedRequest:
             tpot = (self.last_token_at - self.first_token_at) / (self.num_output_tokens - 1)
         return self.first_token_at - self.arrival, tpot
 
+    def mark_final(self) -> None:
+        """Its final flag is about to be sent: its cancellation is not asked from here on
+        (waits for a question already under way)."""
+        with self._final_lock:
+            self.final_sent = True
+
     def client_cancelled(self) -> bool:
-        try:
-            return bool(self.sender.is_cancelled())
-        except Exception:
+        """Has the client cancelled it? False once its final flag is on its way."""
+        with self._final_lock:
+            if self.final_sent:
+                return False
             try:
-                return bool(self.request.is_cancelled())
+                return bool(self.sender.is_cancelled())
+            except AttributeError:     # a stub whose response sender cannot tell
+                try:
+                    return bool(self.request.is_cancelled())
+                except Exception:
+                    return False
             except Exception:
                 return False
 

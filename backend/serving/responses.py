@@ -121,7 +121,7 @@ class ResponseThread:
             if now - last_poll >= CANCEL_POLL_S:
                 last_poll = now
                 try:
-                    self._poll_cancelled()
+                    self.poll_cancelled()
                 except Exception:
                     log.error("%s: polling cancellations failed:\n%s", self.name, traceback.format_exc())
 
@@ -157,7 +157,8 @@ class ResponseThread:
                 else:
                     self._abort(r)
 
-    def _poll_cancelled(self) -> None:
+    def poll_cancelled(self) -> None:
+        """Abort the requests in flight whose clients cancelled them (the thread's poll)."""
         for r in self.inflight.watched():
             if r.client_cancelled():
                 # Set before the abort: a request still inside submit (being tokenized) is not
@@ -236,7 +237,7 @@ class ResponseThread:
         """A request whose final output could not be handled: its final flag, if not sent yet."""
         if r.final_sent:
             return
-        r.final_sent = True
+        r.mark_final()
         self.inflight.remove(r)
         try:
             response = error_response(self.pb, "internal error: the final response could not be built", "INTERNAL")
@@ -245,7 +246,7 @@ class ResponseThread:
         self._send_final(r, response)
 
     def _finish(self, r: ServedRequest, out: RequestOutput) -> None:
-        r.final_sent = True
+        r.mark_final()
         self.inflight.remove(r)
         if self.metrics is None:
             return
