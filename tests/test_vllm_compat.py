@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from helpers.triton import wait_kv_free
+from helpers.triton import settled, wait_kv_free
 
 pytestmark = pytest.mark.slow
 
@@ -159,26 +159,28 @@ def test_vllm_metric_families_count_as_vllm_does(triton_server):
 
     tok = Tokenizer.from_pretrained(triton_server.engine_config["target"])
     prompts = ["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = [1, 2]\n", "# note\n"]
-    wait_kv_free(triton_server)                # nothing in flight: the counters are settled
-    before = vllm_samples(triton_server)
+    wait_kv_free(triton_server)                # nothing in flight
+    before = settled(lambda: vllm_samples(triton_server))
     client = GrpcClient(triton_server.grpc_url, "nightdraft", timeout_s=60)
     for p in prompts:
         list(client.stream(p, max_tokens=16, temperature=0.0, ignore_eos=True))
     n, gen, prompt = len(prompts), 16 * len(prompts), sum(len(tok.encode(p)) for p in prompts)
 
-    def delta(name, **match):
+    def change(sample, name, **match):
         match.setdefault("model", "nightdraft")
-        return total(after, name, **match) - total(before, name, **match)
+        return total(sample, name, **match) - total(before, name, **match)
+
+    def moved(sample):
+        return (change(sample, "vllm:e2e_request_latency_seconds_count") >= n
+                and change(sample, "vllm:generation_tokens_total") >= gen
+                and change(sample, "vllm:time_per_output_token_seconds_count") >= n * 15)
     # The counters follow the engine when it goes idle, a moment after the last response: poll
-    # until the last of them has moved (or a deadline), then check every one exactly.
-    deadline = time.monotonic() + 15
-    while True:
-        after = vllm_samples(triton_server)
-        moved = (delta("vllm:e2e_request_latency_seconds_count") >= n and delta("vllm:generation_tokens_total") >= gen
-                 and delta("vllm:time_per_output_token_seconds_count") >= n * 15)
-        if moved or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    # until the last of them has moved and no update is half done (or a deadline), then check
+    # every one exactly.
+    after = settled(lambda: vllm_samples(triton_server), until=moved)
+
+    def delta(name, **match):
+        return change(after, name, **match)
     assert delta("vllm:prompt_tokens_total") == prompt
     assert delta("vllm:generation_tokens_total") == gen
     assert delta("vllm:time_to_first_token_seconds_count") == n
