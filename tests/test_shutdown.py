@@ -268,9 +268,15 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
         wait_streaming(accepted, server, min_running=1)
         deadline = time.monotonic() + 30
         from helpers.triton import metrics
-        while metrics(server).get("nightdraft_num_requests_waiting", 0) < 2 and time.monotonic() < deadline:
+        seen = []     # (s, running, waiting, generated tokens): what the failure message shows
+        while time.monotonic() < deadline:
+            m = metrics(server)
+            seen.append((round(time.monotonic() - deadline + 30, 2), m.get("nightdraft_num_requests_running"),
+                         m.get("nightdraft_num_requests_waiting"), m.get("nightdraft_generation_tokens_total")))
+            if seen[-1][2] == 2:
+                break
             time.sleep(0.05)
-        assert metrics(server).get("nightdraft_num_requests_waiting", 0) == 2, "the queue never filled"
+        assert seen[-1][2] == 2, f"the queue never filled; (s, running, waiting, tokens) seen: {seen[:5]} ... {seen[-5:]}"
         req = urllib.request.Request(f"http://{server.http_url}/v2/models/nightdraft/generate",
                                      data=json.dumps({"text_input": "hi", "parameters": {"max_tokens": 4}}).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
