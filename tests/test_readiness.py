@@ -346,9 +346,8 @@ def test_a_cancellation_while_the_prompt_is_tokenized_is_not_lost(proxied):
 
 
 def worker_pids(server) -> list[int]:
-    from test_shutdown import descendants
-    return [p for p in descendants(server.proc.pid)
-            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    from helpers.processes import drafter_workers
+    return drafter_workers(server.proc.pid)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_shutdown import descendants
+from helpers.processes import descendants, drafter_workers
 from helpers.triton import is_final, metrics, wait_kv_free
 from test_triton_e2e import BAD_INPUTS
 
@@ -228,8 +228,7 @@ def test_soak(tmp_path):
             while any(not f.done() for f in futures):
                 finished = sum(f.done() for f in futures)
                 if killed is None and finished >= len(futures) // 3:
-                    workers = [p for p in descendants(server.proc.pid)
-                               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                    workers = drafter_workers(server.proc.pid)
                     assert len(workers) == len(MODES), f"drafter workers: {workers}"
                     killed = choose_worker(workers, rng)
                     os.kill(killed, signal.SIGKILL)

@@ -19,7 +19,6 @@ raises `DrafterFailed`; the engine then decodes without drafts until a new worke
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import select
 import socket
@@ -30,10 +29,15 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
+from backend.process_start import helper_context, name_this_process
 from backend.speculation.placement import pin_worker
 from backend.speculation.proposer import DraftRequest, Proposal, ProposerStats
 
 log = logging.getLogger("nightdraft.drafter_worker")
+
+
+# What ps, top and /proc/PID/comm call the worker process.
+WORKER_NAME = "nd-drafter"
 
 
 class DrafterFailed(RuntimeError):
@@ -93,6 +97,7 @@ def _worker_stats(drafter) -> ProposerStats:
 def _worker_main(conn, spec: WorkerSpec, probs_buffer: torch.Tensor | None) -> None:
     from backend.speculation.drafter import Drafter
 
+    name_this_process(WORKER_NAME)
     device = pin_worker(spec.device, spec.cores)
     dtype = getattr(torch, spec.dtype)
     drafter = Drafter.load(spec.path, device=device, dtype=dtype, kv_cache_bytes=spec.kv_cache_bytes,
@@ -199,7 +204,7 @@ class RemoteDrafter:
         self.timeout_s = timeout_s
         # A reload moves every weight: it may take longer than any other message.
         self.reload_timeout_s = reload_timeout_s if reload_timeout_s is not None else max(timeout_s, 60.0)
-        self._ctx = mp.get_context("spawn")
+        self._ctx = helper_context()
         self._probs = None
         if spec.transport == "shared_buffer":
             self._probs = torch.zeros(max_rows, vocab_size).share_memory_()

@@ -37,14 +37,15 @@ def default_first_gpu(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
 
-def _cpu_shares(size: int, threads: int | None) -> tuple[list[list[int] | None], int]:
-    """Each rank's cores (None: not pinned) and its thread count, from this process's cores: an
-    equal share each where there are enough, else every rank on all of them, one thread each."""
+def _cpu_shares(size: int, threads: int | None) -> tuple[list[list[int]], int]:
+    """Each rank's cores and its thread count, from this process's cores: an equal share each
+    where there are enough, else every rank on all of them, one thread each. (Always named: a
+    rank forked from the fork server would inherit the server's affinity, not this process's.)"""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= size:
         k = len(cores) // size
         return [cores[i * k:(i + 1) * k] for i in range(size)], threads or k
-    return [None] * size, threads or 1
+    return [cores] * size, threads or 1
 
 
 def build_target_runner(config, dtype: torch.dtype) -> ModelRunner:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import time
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from backend.process_start import helper_context, name_this_process
 
 log = logging.getLogger("nightdraft.tensor_parallel")
 
@@ -54,7 +55,7 @@ class RankSpec:
     port: int
     timeout_s: float
     backend: str              # "gloo" | "nccl"
-    cores: list[int] | None   # CPU: the cores to pin to (None: inherit)
+    cores: list[int] | None   # CPU: the cores to pin to (None: a GPU rank's, not pinned)
     threads: int              # torch intra-op threads
 
 
@@ -153,6 +154,7 @@ def rank_main(rank: int, spec: RankSpec) -> None:
     from backend.model.parallel.layers import make_row_parallel
     from backend.model.parallel.shard import load_shard
 
+    name_this_process(f"nd-tp-rank{rank}")
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
@@ -221,7 +223,7 @@ class RankGroup:
         size = specs[0].size
         self.size = size
         self.timeout_s = specs[0].timeout_s
-        ctx = mp.get_context("spawn")
+        ctx = helper_context()
         self._store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=CONNECT_TIMEOUT,
                                     wait_for_workers=False)
         port = self._store.port
