@@ -68,6 +68,9 @@ class Accounts:
             s.drafter_catchup_tokens = d.retired.catchup_tokens + ps.catchup_tokens   # every drafter's
             s.drafter_cpu_s = d.retired.cpu_s + ps.cpu_s
             s.draft_ahead = dict(ps.ahead)
+        runner = engine.runner     # a tensor-parallel target counts its group's failures
+        s.tensor_parallel_failures = getattr(runner, "failures", 0)
+        s.tensor_parallel_restarts = getattr(runner, "restarts", 0)
         memory = engine.memory
         if memory is not None:
             s.offloads, s.reloads = memory.offloads, memory.reloads

@@ -182,10 +182,14 @@ class Engine:
         return self._accounts.snapshot(self)
 
     def background_pending(self) -> bool:
-        """Is the drafter's weights' return, or a replacement drafter's start, under way, or
-        (mode auto) are its weights off the device, to come back while idle? Only
-        :meth:`poll_background` does these, so an idle loop must keep calling that."""
+        """Is the drafter's weights' return, or a replacement drafter's start, or the target's
+        tensor-parallel group's restart under way, or (mode auto) are the drafter's weights off
+        the device, to come back while idle? Only :meth:`poll_background` does the drafter's,
+        so an idle loop must keep calling that; and when none is left, the loop's hook reports
+        the engine's state as it is now."""
         if self.drafter is not None and self.drafter.state in ("reloading", "restarting"):
+            return True
+        if getattr(self.runner, "down_reason", None) is not None:
             return True
         return self.adaptive is not None and self.adaptive.reload_pending_while_idle()
 

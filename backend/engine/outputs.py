@@ -59,6 +59,8 @@ class EngineStats:
     request_errors: int = 0                # requests failed alone by a fault in a batched step
     drafter_catchup_tokens: int = 0        # tokens re-fed to rebuild the drafter's KV cache
     drafter_cpu_s: float = 0.0             # CPU seconds of the drafter's worker processes (0: in process)
+    tensor_parallel_failures: int = 0      # the target's tensor-parallel group failed (a rank died or hung)
+    tensor_parallel_restarts: int = 0      # ... and was brought back
     compiled_graphs: int = 0               # graphs torch.compile made in this process (compiled_graphs())
     draft_ahead: dict = field(default_factory=dict)   # pre-draft hits by accepted length (draft_ahead.py)
     offloads: int = 0                      # drafter weights moved to host (elastic memory)

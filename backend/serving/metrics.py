@@ -39,6 +39,7 @@ nightdraft_drafter_{offload,reload}_failures_total   counters  the KV pool could
 nightdraft_planner_switches_total               counter
 nightdraft_drafter_cpu_seconds_total            counter    CPU time of the drafter's worker process
 nightdraft_compiled_graphs_total                counter    graphs compiled in the engine's process
+nightdraft_tensor_parallel_{failures,restarts}_total  counters  the target's group failed / came back
 nightdraft_drafter_request_failures_total       counter    requests decoded without drafts after a
                                                            drafter fault of their own
 nightdraft_request_errors_total                 counter    requests failed alone inside a step
@@ -84,6 +85,10 @@ EXTRA_COUNTERS = {
     "offloads": ("nightdraft_drafter_offloads_total", "Drafter weights moved off the device"),
     "drafter_cpu_s": ("nightdraft_drafter_cpu_seconds_total",
                       "CPU seconds used by the drafter's own worker process (0 for a drafter in process)"),
+    "tensor_parallel_failures": ("nightdraft_tensor_parallel_failures_total",
+                                 "Times the target's tensor-parallel group failed (a rank died or hung)"),
+    "tensor_parallel_restarts": ("nightdraft_tensor_parallel_restarts_total",
+                                 "Times the target's tensor-parallel group was brought back after a failure"),
     "compiled_graphs": ("nightdraft_compiled_graphs_total",
                         "Graphs torch.compile made in the engine's process (a rise under load is a recompilation)"),
     "reloads": ("nightdraft_drafter_reloads_total", "Drafter weights brought back to the device"),

@@ -210,6 +210,16 @@ class TensorParallelRunner(ModelRunner):
         return logits
 
     @property
+    def failures(self) -> int:
+        """Times the group failed (a rank died or hung)."""
+        return self.group.failures
+
+    @property
+    def restarts(self) -> int:
+        """Times the group was brought back after a failure."""
+        return self.group.restarts
+
+    @property
     def down_reason(self) -> str | None:
         """Why the target cannot run now (its group failed and is restarting), or None."""
         why = self.group.failure
