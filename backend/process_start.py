@@ -3,10 +3,10 @@
 From a fork server: a process started once, at the first helper's start, that imports torch and
 the model code and then forks each helper on request. A fresh interpreter (multiprocessing's
 "spawn") spends seconds importing torch before a helper can load its weights; a fork of the
-server starts at once, so a drafter that crashed is replaced, and a model with a drafter loads,
-that much sooner (``scripts/time_worker_start.py`` times both). The server is a single-threaded
-process that has only imported modules, so forking it copies no thread, lock or device context
-of the engine's: as safe as spawning.
+server starts at once, so a drafter (or rank) that crashed is replaced that much sooner
+(``scripts/time_worker_start.py`` times both; the first helper's start, which starts the server,
+is not faster). The server is a single-threaded process that has only imported modules, so
+forking it copies no thread, lock or device context of the engine's: as safe as spawning.
 
 What a helper inherits comes from the server as it was when it started, not from the engine
 now: the environment and the CPU affinity. Helpers therefore get their cores and settings in
