@@ -161,13 +161,19 @@ def request_mix(rng: random.Random, prompts: list[str], long_prompts: list[str],
 def choose_worker(workers: list[int], rng: random.Random) -> int:
     """A drafter worker of the sd or psd model (they draft for every request, so its death is
     noticed at once; auto's planner may decode plainly for a while), else any."""
-    def parent_cmdline(p: int) -> bytes:
+    def stub_cmdline(p: int) -> bytes:
+        """The command line of the backend stub above the worker (its parent is the fork server)."""
         try:
-            ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            return Path(f"/proc/{ppid}/cmdline").read_bytes()
+            for _ in range(4):
+                p = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+                if b"triton_python_backend_stub" in cmd:
+                    return cmd
         except (OSError, IndexError, ValueError):
-            return b""
-    fixed = [p for p in workers if any(model_name(m).encode() in parent_cmdline(p) for m in ("sd", "psd"))]
+            pass
+        return b""
+    fixed = [p for p in workers if any(model_name(m).encode() in stub_cmdline(p) for m in ("sd", "psd"))]
+    assert len(fixed) == 2, f"the sd and psd models' workers not found among {workers}"
     return rng.choice(fixed or workers)
 
 
