@@ -21,6 +21,9 @@ from multiprocessing.context import BaseContext
 # Imported once in the fork server: what every helper would otherwise import itself.
 PRELOAD = ["torch", "backend.speculation.drafter", "backend.model.parallel.group"]
 
+# What every helper's process name starts with (ps, top, /proc/PID/comm).
+HELPER_PREFIX = "nd-"
+
 _PR_SET_NAME = 15
 
 
@@ -29,6 +32,11 @@ def helper_context() -> BaseContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)     # read when the server starts; later calls are no-ops
     return ctx
+
+
+def helper_name(role: str) -> str:
+    """The process name of the helper that plays `role` ("drafter", "tp-rank1", ...)."""
+    return HELPER_PREFIX + role
 
 
 def name_this_process(name: str) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers.processes import descendants, drafter_workers
+from helpers.processes import descendants, drafter_workers, parent
 from helpers.triton import is_final, metrics, wait_kv_free
 from test_triton_e2e import BAD_INPUTS
 
@@ -163,14 +163,14 @@ def choose_worker(workers: list[int], rng: random.Random) -> int:
     noticed at once; auto's planner may decode plainly for a while), else any."""
     def stub_cmdline(p: int) -> bytes:
         """The command line of the backend stub above the worker (its parent is the fork server)."""
-        try:
-            for _ in range(4):
-                p = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmd = Path(f"/proc/{p}/cmdline").read_bytes()
-                if b"triton_python_backend_stub" in cmd:
-                    return cmd
-        except (OSError, IndexError, ValueError):
-            pass
+        for _ in range(4):
+            p = parent(p)
+            try:
+                cmd = Path(f"/proc/{p}/cmdline").read_bytes() if p is not None else b""
+            except OSError:     # gone meanwhile
+                return b""
+            if b"triton_python_backend_stub" in cmd:
+                return cmd
         return b""
     fixed = [p for p in workers if any(model_name(m).encode() in stub_cmdline(p) for m in ("sd", "psd"))]
     assert len(fixed) == 2, f"the sd and psd models' workers not found among {workers}"

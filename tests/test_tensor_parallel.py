@@ -56,6 +56,15 @@ def test_tensor_parallel_sizes_that_do_not_split_the_model_or_the_devices_are_re
     assert cfg.num_kv_heads % 2 == 0
 
 
+def test_every_cpu_rank_is_given_its_cores(monkeypatch):
+    """A rank forked from the fork server would inherit the server's affinity, not the engine's:
+    its cores are always named, an equal share each where there are enough, else all of them."""
+    from backend.model.parallel import build
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {2, 5})
+    assert build._cpu_shares(2, None) == ([[2], [5]], 1)
+    assert build._cpu_shares(4, None) == ([[2, 5]] * 4, 1)
+
+
 def test_model_json_tensor_parallel_size_becomes_the_engine_key(tmp_path):
     from backend.engine.vllm_args import engine_keys_from_vllm
     out = engine_keys_from_vllm({"model": str(TINY_TARGET), "tensor_parallel_size": 2},

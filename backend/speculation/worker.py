@@ -29,7 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from backend.process_start import helper_context, name_this_process
+from backend.process_start import helper_context, helper_name, name_this_process
 from backend.speculation.placement import pin_worker
 from backend.speculation.proposer import DraftRequest, Proposal, ProposerStats
 
@@ -37,7 +37,7 @@ log = logging.getLogger("nightdraft.drafter_worker")
 
 
 # What ps, top and /proc/PID/comm call the worker process.
-WORKER_NAME = "nd-drafter"
+WORKER_NAME = helper_name("drafter")
 
 
 class DrafterFailed(RuntimeError):

@@ -4,15 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def parent(pid: int) -> int | None:
+    """pid's parent process (None: pid is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below pid (the Python backend stub, the fork server, the drafter worker)."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+        if d.name.isdigit() and (ppid := parent(int(d.name))) is not None:
             children.setdefault(ppid, []).append(int(d.name))
     out, todo = set(), [pid]
     while todo:
@@ -37,8 +41,9 @@ def drafter_workers(pid: int) -> list[int]:
 
 def is_fork_server(pid: int) -> bool:
     """Is pid the fork server the engine's helpers are started from (backend.process_start)?"""
+    from backend.process_start import HELPER_PREFIX
     try:
         return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes() \
-            and not Path(f"/proc/{pid}/comm").read_text().startswith("nd-")
+            and not Path(f"/proc/{pid}/comm").read_text().startswith(HELPER_PREFIX)
     except OSError:
         return False

@@ -52,6 +52,7 @@ def wait_kv_free(server, model: str = "nightdraft", timeout: float = 15.0,
     raise AssertionError(f"KV blocks not all free after {timeout} s: "
                          f"{ {k: v for k, v in m.items() if 'kv' in k or 'requests_' in k} }")
 
+
 def settled(scrape, until=lambda sample: True, timeout: float = 15.0, pause: float = 0.2):
     """A scrape equal to the one `pause` seconds before it, for which ``until`` holds (or the
     last one at the deadline). The model sets its metrics one IPC call at a time, so a scrape

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from backend.process_start import helper_context, name_this_process
+from backend.process_start import helper_context, helper_name, name_this_process
 
 log = logging.getLogger("nightdraft.tensor_parallel")
 
@@ -154,7 +154,7 @@ def rank_main(rank: int, spec: RankSpec) -> None:
     from backend.model.parallel.layers import make_row_parallel
     from backend.model.parallel.shard import load_shard
 
-    name_this_process(f"nd-tp-rank{rank}")
+    name_this_process(helper_name(f"tp-rank{rank}"))
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
