@@ -53,8 +53,13 @@ def add_offline_parser(bench_sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--planner-cost-profile", default="calibrate",
                    help='mode auto: "calibrate" (at load), "off" (a cold start) or a cost profile JSON')
-    p.add_argument("--no-lend-drafter-cores", dest="lend_drafter_cores", action="store_false",
-                   help="mode auto, drafter on its own cores: keep them with the drafter while plain decoding runs")
+    p.add_argument("--lend-drafter-cores", dest="lend_drafter_cores", default="measured",
+                   type=lambda v: {"always": True, "never": False}.get(v, v), choices=("measured", True, False),
+                   metavar="{measured,always,never}",
+                   help="mode auto, drafter on its own cores: whether plain decoding runs on them too "
+                        "(measured: where that measures faster, per batch size)")
+    p.add_argument("--no-lend-drafter-cores", dest="lend_drafter_cores", action="store_const", const=False,
+                   help="the same as --lend-drafter-cores never")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run_offline_cli)
 
@@ -74,7 +79,7 @@ def build_engine(args, mode: Mode | str, gamma: int):
         gamma=0 if plain else gamma, gamma_max=max(8, gamma), seed=args.seed,
         num_threads=args.threads, max_num_seqs=max(64, args.concurrency),
         planner_cost_profile=getattr(args, "planner_cost_profile", "calibrate"),
-        lend_drafter_cores=getattr(args, "lend_drafter_cores", True), **executor_args(args)))
+        lend_drafter_cores=getattr(args, "lend_drafter_cores", "measured"), **executor_args(args)))
 
 
 def run_offline(engine, prompts: list[str], *, max_tokens: int, concurrency: int, temperature: float,

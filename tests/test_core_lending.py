@@ -1,21 +1,26 @@
 """Resources follow the planner's choice: while plain decoding runs, the drafter worker's CPU
-cores join the target's forward; before the drafter drafts again they go back to it."""
+cores join the target's forward where that measures faster (backend/engine/core_lending.py);
+before the drafter drafts again they go back to it."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
 
 from planner import Decision
 
-from backend.engine.config import EngineConfig
+from backend.engine.config import ConfigError, EngineConfig
+from backend.engine.core_lending import CoreLending
 from backend.engine.engine import Engine
+from backend.engine.loop import EngineLoop
 from backend.sampling.params import SamplingParams
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
-pytestmark = [pytest.mark.slow,    # drafter worker processes
-              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the drafter")]
+# the engine tests start drafter worker processes (slow), on a core of their own
+needs_worker = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the drafter")
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(3):\n"]
@@ -27,6 +32,8 @@ def auto_engine(modes: list[str], **kw) -> Engine:
                                planner={"modes": modes}, planner_cost_profile="off", **kw))
 
 
+@pytest.mark.slow
+@needs_worker
 def test_plain_decoding_borrows_the_drafter_cores_and_speculation_gives_them_back():
     all_cores = os.sched_getaffinity(0)
     e = auto_engine(["ar", "sd"])
@@ -62,6 +69,8 @@ def test_plain_decoding_borrows_the_drafter_cores_and_speculation_gives_them_bac
     assert os.sched_getaffinity(0) == all_cores
 
 
+@pytest.mark.slow
+@needs_worker
 def test_lending_can_be_turned_off():
     e = auto_engine(["ar"], lend_drafter_cores=False)
     try:
@@ -71,6 +80,8 @@ def test_lending_can_be_turned_off():
         e.close()
 
 
+@pytest.mark.slow
+@needs_worker
 def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_planner_speculates():
     """With nothing decoding there is nothing to draft: a speculative plan would only halve the
     prefill's cores."""
@@ -92,3 +103,92 @@ def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_plann
     finally:
         e.close()
     assert os.sched_getaffinity(0) == all_cores
+
+
+# ---------------------------------------------------------------------------------------------
+# the choice, measured: plain decoding lends the cores where that measures faster
+
+def play(choice: CoreLending, batch: int, steps: int, per_token: dict, tokens: int = 4) -> list[bool]:
+    """`steps` plain-decoding steps of `batch` sequences whose seconds per token are
+    `per_token[lent]`: what the choice lent on each."""
+    sides = []
+    for _ in range(steps):
+        lent = choice.lend(batch)
+        choice.observe(lent, batch, per_token[lent] * tokens, tokens)
+        sides.append(lent)
+    return sides
+
+
+def test_the_lending_choice_tries_both_sides_then_keeps_the_faster_per_batch_size():
+    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4)
+    slower_lent = play(choice, 4, 8 + 8 + 10 * 64 + 4, {True: 0.002, False: 0.001})
+    assert slower_lent[:16] == [True] * 8 + [False] * 8            # each side tried, lent first
+    rest = slower_lent[16:]
+    assert rest[:68] == [False] * 64 + [True] * 4                  # then only the probes lend:
+    assert rest.count(True) == 4 * 10                               # 4 steps every 64
+    # another batch size is its own bin: there lending is the faster
+    faster_lent = play(choice, 16, 16 + 10 * 64 + 4, {True: 0.0005, False: 0.001})
+    assert faster_lent[16:].count(False) == 4 * 10
+    summary = choice.summary()
+    assert summary["4"]["lends"] is False and summary["16"]["lends"] is True
+    assert summary["4"]["own_s_per_token"] == pytest.approx(0.001)
+    assert summary["16"]["lent_s_per_token"] == pytest.approx(0.0005)
+
+
+def test_the_lending_choice_follows_a_change_within_one_probe():
+    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4)
+    play(choice, 8, 200, {True: 0.002, False: 0.001})
+    assert choice.lend(8) is False
+    # the host changes: now lending is 4x faster; the next probe measures it and the choice turns
+    after = play(choice, 8, 200, {True: 0.00025, False: 0.001})
+    first_lent = after.index(True)
+    assert first_lent < 64
+    tail = after[first_lent:]
+    assert tail.count(False) <= 4 * (len(tail) // 64 + 1)           # own cores only in probes
+    assert choice.summary()["8"]["lends"] is True
+
+
+def test_lend_drafter_cores_takes_true_false_or_measured():
+    for ok in (True, False, "measured"):
+        EngineConfig(target=str(TINY_TARGET), lend_drafter_cores=ok)
+    assert EngineConfig(target=str(TINY_TARGET)).lend_drafter_cores == "measured"
+    with pytest.raises(ConfigError, match="lend_drafter_cores"):
+        EngineConfig(target=str(TINY_TARGET), lend_drafter_cores="sometimes")
+
+
+@pytest.mark.slow
+@needs_worker
+def test_plain_decoding_keeps_to_its_own_cores_where_lending_measures_slower():
+    """A front end that works on the loop's thread while the engine steps, and costs more while
+    the drafter's cores are lent (as tritonserver's threads contend with a forward spread over
+    every core): the engine measures both sides and plain decoding stops lending; the outputs
+    are plain decoding's."""
+    e = auto_engine(["ar"])
+    loop = EngineLoop(e)
+    place = e._placement
+    finished = threading.Semaphore(0)
+    outs: dict[str, list[int]] = {}
+
+    def on_output(out):
+        if place.lent:
+            time.sleep(0.004)          # a contended front end: 4 ms a response while lent
+        outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            finished.release()
+    try:
+        prompts, params = PROMPTS * 4, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            loop.submit(f"r{i}", p, params, on_output)
+        for _ in prompts:
+            assert finished.acquire(timeout=120)
+        summary = e.adaptive.lending.summary()
+        measured = {b: s for b, s in summary.items() if s["lent_steps"] >= 8 and s["own_steps"] >= 8}
+        assert measured, f"no batch size measured on both sides: {summary}"
+        for b, s in measured.items():
+            assert s["lends"] is False and s["own_s_per_token"] < s["lent_s_per_token"], (b, s)
+        ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+        plain = [c.output_ids for c in ar.generate(prompts, params)]
+        assert [outs[f"r{i}"] for i in range(len(prompts))] == plain
+    finally:
+        loop.shutdown()
+        e.close()

@@ -18,6 +18,7 @@ from planner import AR, Decision, EngineSignals, LoadSignals, Planner, StepOutco
 
 from backend.batching.scheduler import Scheduler
 from backend.batching.sequence import Sequence
+from backend.engine.core_lending import CoreLending
 from backend.engine.memory import ElasticMemory
 from backend.mode import Mode
 from backend.model.kv_cache import PagedKVCache
@@ -36,15 +37,20 @@ class AdaptiveController:
     def __init__(self, planner: Planner, *, scheduler: Scheduler, kv: PagedKVCache,
                  drafter: DrafterManager, memory: ElasticMemory | None, batch_limit: int,
                  extra_signals: Callable[[LoadSignals], LoadSignals] | None = None,
-                 placement: CpuPlacement | None = None, ngram_shadow: NgramShadow | None = None):
+                 placement: CpuPlacement | None = None, lending: CoreLending | None = None,
+                 ngram_shadow: NgramShadow | None = None):
         """`placement`: the CPU placement whose drafter cores serve the target while the drafter
-        model is idle (None: the cores stay with the drafter). `ngram_shadow`: with an n-gram
+        model is idle (None: the cores stay with the drafter); `lending`: whether plain decoding
+        takes them, measured (None: it always does). `ngram_shadow`: with an n-gram
         proposer beside the drafter model (the planner's NGRAM arms), what its drafts would
         have matched, measured on every step."""
         self.ngram_shadow = ngram_shadow
         self.planner = planner
         self.placement = placement
+        self.lending = lending if placement is not None else None
         self._ar_steps = 0
+        self._lent_before = False      # the placement and ...
+        self._drafted_before = False   # ... the kind of the step before this one
         self.scheduler = scheduler
         self.kv = kv
         self.drafter = drafter
@@ -87,7 +93,7 @@ class AdaptiveController:
             return StepPlan(decision.mode, decision.gamma)
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
             mem.offload()
-        self._lend_cores()
+        self._lend_cores(signals.batch_size)
         return PLAIN
 
     def reload_pending_while_idle(self) -> bool:
@@ -103,10 +109,27 @@ class AdaptiveController:
         """Will a running sequence decode this step (one pending token), so it could be drafted for?"""
         return any(seq.num_uncomputed == 1 for seq in self.scheduler.running)
 
-    def _lend_cores(self) -> None:
+    def _lend_cores(self, decoding_batch: int | None = None) -> None:
+        """Before a step that drafts nothing. A plain-decoding step (`decoding_batch`: its
+        sequences) takes the drafter's cores where lending measures faster (`lending`); a step
+        that only prefills or drafts by n-grams always does."""
         self._ar_steps += 1
-        if self.placement is not None and self._ar_steps >= self.LEND_AFTER_STEPS:
+        if self.placement is None or self._ar_steps < self.LEND_AFTER_STEPS:
+            return
+        if decoding_batch is None or self.lending is None or self.lending.lend(decoding_batch):
             self.placement.lend_drafter_cores()
+        else:
+            self.placement.take_back_drafter_cores()
+
+    def _observe_lending(self, step: StepResult) -> None:
+        """A plain-decoding step's cost, on the placement it ran on, for the lending choice:
+        not one that fed a prompt, followed drafting (the turn-off's cost) or changed the
+        placement (the first step on new threads)."""
+        lent = self.placement is not None and self.placement.lent
+        if (self.lending is not None and step.mode is Mode.AR and not step.drafted and step.decoded
+                and step.num_prefill_tokens == 0 and not self._drafted_before and lent == self._lent_before):
+            self.lending.observe(lent, step.batch_size, step.t_cycle_s, step.tokens_committed)
+        self._lent_before, self._drafted_before = lent, step.drafted > 0
 
     def _snapshot(self) -> LoadSignals:
         mem = self.memory
@@ -126,6 +149,7 @@ class AdaptiveController:
         """After the step: `plan`, what this controller issued (as the engine ran it), and the
         step's result."""
         self._observe_serving(step)
+        self._observe_lending(step)
         rebuild_s = 0.0
         if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost

@@ -79,7 +79,9 @@ class EngineConfig:
     planner_cost_profile: str = "calibrate"
     # ... and, with the drafter a worker on CPU cores of its own, those cores join the target's
     # forward (one more torch thread each) while plain decoding runs, and go back before drafting.
-    lend_drafter_cores: bool = True
+    # true: always; "measured" (the default): where plain decoding measures faster with them,
+    # per batch size (backend/engine/core_lending.py); false: never.
+    lend_drafter_cores: bool | str = "measured"
     # With the drafter a worker on its own device: after each in-line proposal it drafts the
     # next round while the target verifies, betting on every draft accepted (PEARL; used when
     # the bet wins, dropped when not). Sequential SD and batch-parallel SD's in-line fallback
@@ -162,7 +164,8 @@ class EngineConfig:
         need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
-        need(isinstance(self.lend_drafter_cores, bool), "lend_drafter_cores: must be true or false")
+        need(isinstance(self.lend_drafter_cores, bool) or self.lend_drafter_cores == "measured",
+             'lend_drafter_cores: true, false or "measured"')
         need(isinstance(self.draft_ahead, bool), "draft_ahead: must be true or false")
         need(not self.draft_ahead or (self.drafter_device is not None and self.proposer is ProposerKind.DRAFTER),
              "draft_ahead: needs a drafter model on its own device (set drafter_device); drafting "

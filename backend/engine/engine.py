@@ -31,6 +31,7 @@ from backend.engine.accounts import Accounts
 from backend.engine.adaptive import AdaptiveController
 from backend.engine.calibration import planner_cost_profile
 from backend.engine.config import EngineConfig
+from backend.engine.core_lending import MEASURED, CoreLending
 from backend.engine.forward import TargetPass
 from backend.engine.intake import Intake, Limits, context_limit
 from backend.engine.memory import ElasticMemory
@@ -106,7 +107,7 @@ class Engine:
         self._strategy = self._strategies[Mode.AR]
         self.adaptive: AdaptiveController | None = None
         if config.mode is Mode.AUTO:
-            lending = self._placement if config.lend_drafter_cores else None
+            lending = self._placement if config.lend_drafter_cores is not False else None
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
                               psd_available=self.drafter.remote, seed=config.seed,
                               ngram_available=self.ngram is not None,
@@ -116,7 +117,8 @@ class Engine:
             self.adaptive = AdaptiveController(planner, scheduler=self.scheduler, kv=self.kv,
                                                drafter=self.drafter, memory=self.memory,
                                                batch_limit=config.max_num_seqs, extra_signals=extra_signals,
-                                               placement=lending, ngram_shadow=shadow)
+                                               placement=lending, ngram_shadow=shadow,
+                                               lending=CoreLending() if config.lend_drafter_cores == MEASURED else None)
         self._accounts = Accounts()
         proposers = [p for p in (self.drafter, self.ngram) if p is not None]
         self.requests = Requests(

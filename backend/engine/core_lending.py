@@ -1,0 +1,110 @@
+"""Whether plain decoding borrows the drafter's idle CPU cores: measured, not assumed.
+
+With the drafter a worker on CPU cores of its own, those cores idle while plain decoding runs,
+and the target's forward can run on them too (`CpuPlacement.lend_drafter_cores`). In process
+that is faster: plain decoding on both cores of this host 1.2x-1.5x on one at concurrency
+4-64. Through tritonserver it can be slower: the front end (the server's threads, the Python
+backend's stub and its IPC) runs on the same cores, and a forward split over threads waits for
+the one the front end preempts. Plain decoding on one core was the faster there at concurrency
+4 and 16 (`bench levels`, benchmarks/results/levels.json). Which holds depends on the host, the
+path and the load, so the engine measures both sides instead of assuming one.
+
+Per batch-size bin (powers of two), each side's seconds per token over whole plain-decoding
+steps: the step's cycle, which holds the gap before it in which the front end took the previous
+step's outputs. Each side is tried for ``min_steps`` steps first (lent first, as an engine
+without this choice runs); then the faster side runs, and the slower one is measured again for
+``probe_steps`` steps every ``probe_every`` plain steps of the bin, from those steps alone, so a
+change of load or host is followed within one probe. The engine leaves out the steps that are not plain decoding's alone to price: one
+that fed a prompt, one that follows a drafting step (the turn-off's), and the first after the
+placement changed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The values of `lend_drafter_cores` (EngineConfig), besides true (always) and false (never).
+MEASURED = "measured"
+
+
+@dataclass
+class _Side:
+    seconds: float = 0.0       # forgetting sums: seconds per token = seconds / tokens
+    tokens: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, tokens: int, forget: float) -> None:
+        self.seconds = forget * self.seconds + seconds
+        self.tokens = forget * self.tokens + tokens
+        self.steps += 1
+
+    def forget_costs(self) -> None:
+        self.seconds = self.tokens = 0.0
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens > 0 else float("inf")
+
+
+@dataclass
+class _Bin:
+    sides: dict = field(default_factory=lambda: {True: _Side(), False: _Side()})
+    steps: int = 0             # measured plain steps in this bin, both sides
+    probe_left: int = 0        # steps of the slower side still to measure in the current probe ...
+    probe_side: bool = False   # ... and that side
+
+    def faster(self) -> bool:
+        return self.sides[True].per_token <= self.sides[False].per_token
+
+
+class CoreLending:
+    def __init__(self, min_steps: int = 8, probe_every: int = 256, probe_steps: int = 8,
+                 forget: float = 0.97):
+        self.min_steps = int(min_steps)
+        self.probe_every = int(probe_every)
+        self.probe_steps = int(probe_steps)
+        self.forget = float(forget)
+        self._bins: dict[int, _Bin] = {}
+
+    @staticmethod
+    def _bin_of(batch: int) -> int:
+        return max(int(batch), 1).bit_length()
+
+    def lend(self, batch: int) -> bool:
+        """Should a plain-decoding step of `batch` sequences run on the drafter's cores too?"""
+        b = self._bins.setdefault(self._bin_of(batch), _Bin())
+        for side in (True, False):
+            if b.sides[side].steps < self.min_steps:
+                return side
+        return b.probe_side if b.probe_left > 0 else b.faster()
+
+    def observe(self, lent: bool, batch: int, seconds: float, tokens: int) -> None:
+        """One plain-decoding step that ran `lent` (or not) with `batch` sequences: its cycle's
+        `seconds` and the `tokens` it committed."""
+        if not (seconds > 0 and tokens > 0):
+            return
+        b = self._bins.setdefault(self._bin_of(batch), _Bin())
+        measuring = all(s.steps >= self.min_steps for s in b.sides.values())
+        b.sides[lent].add(seconds, tokens, self.forget)
+        if not measuring:
+            return
+        b.steps += 1
+        if b.probe_left > 0:
+            b.probe_left -= lent == b.probe_side
+        elif b.steps % self.probe_every == 0:
+            b.probe_left, b.probe_side = self.probe_steps, not b.faster()
+            b.sides[b.probe_side].forget_costs()     # the probe's own steps decide
+
+    def summary(self) -> dict:
+        """Per bin (its smallest batch size): each side's seconds per token and steps, and the
+        side chosen now."""
+        out = {}
+        for k, b in sorted(self._bins.items()):
+            out[str(1 << (k - 1))] = {
+                "lent_s_per_token": _finite(b.sides[True].per_token), "lent_steps": b.sides[True].steps,
+                "own_s_per_token": _finite(b.sides[False].per_token), "own_steps": b.sides[False].steps,
+                "lends": b.faster()}
+        return out
+
+
+def _finite(x: float) -> float | None:
+    return x if x != float("inf") else None
