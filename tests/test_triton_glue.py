@@ -244,6 +244,34 @@ def test_launcher_lays_out_a_python_backend_and_environment(tmp_path, monkeypatc
     assert srv.metrics_url == "http://127.0.0.1:3/metrics"
 
 
+def test_the_backend_runs_the_checkout_nightdraft_root_names_ahead_of_an_installed_copy(tmp_path):
+    """The server runs the code of the tree that started it (the launcher sets NIGHTDRAFT_ROOT
+    to it), even where another checkout is installed in the stub's environment: otherwise a
+    benchmark run from a second checkout would measure the installed code on the server side."""
+    import subprocess
+    from client.backend_dir import BACKEND_MODEL
+    other = tmp_path / "checkout"
+    (other / "backend" / "serving").mkdir(parents=True)
+    (other / "backend" / "__init__.py").write_text("")
+    (other / "backend" / "serving" / "__init__.py").write_text("")
+    (other / "backend" / "serving" / "python_backend.py").write_text(
+        "def backend_model(pb):\n    return 'the other checkout'\n")
+    stub_utils = tmp_path / "stub"
+    stub_utils.mkdir()
+    (stub_utils / "triton_python_backend_utils.py").write_text("")
+    code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); "
+            "print(runpy.run_path(sys.argv[2])['TritonPythonModel'])")
+    run = subprocess.run([sys.executable, "-c", code, str(stub_utils), str(BACKEND_MODEL)], capture_output=True,
+                         text=True, env=os.environ | {"NIGHTDRAFT_ROOT": str(other)}, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "the other checkout"
+    # without it, the installed package (this checkout, in the test's environment)
+    env = {k: v for k, v in os.environ.items() if k != "NIGHTDRAFT_ROOT"}
+    run = subprocess.run([sys.executable, "-c", code, str(stub_utils), str(BACKEND_MODEL)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0 and "the other checkout" not in run.stdout, run.stderr[-2000:]
+
+
 def test_launcher_refuses_a_missing_binary(tmp_path):
     from client import launcher
     with pytest.raises(launcher.LauncherError, match="not an executable"):
