@@ -28,3 +28,6 @@ class StepOutcome:
     ngram_matched: int = 0             # positions the n-gram lookup's drafts would have matched ...
     ngram_compared: int = 0            # ... of those checked against this step's tokens
     decoded: bool = True               # a sequence decoded: False for a step that fed only prompts
+    # plain decoding on the cores the engine is trying for its lending choice, not those it
+    # keeps (backend/engine/core_lending.py): counted as played, no sample of the arm's cost
+    trying_cores: bool = False

@@ -202,15 +202,18 @@ class Planner:
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
         # not plain decoding's (SwitchCost.observe_plain).
         turning_off = decision.mode is Mode.AR and self._drafted_last
+        # A step on cores the engine is only trying (its lending choice) is not plain
+        # decoding's cost as it runs.
+        trying = decision.mode is Mode.AR and o.trying_cores
         if cost.loss is not None and decision.arm in self._decisions:
-            if turning_off:
+            if turning_off or trying:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         self._drafted_last = decision.uses_drafter
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
-        if decision.mode is Mode.AR:
+        if decision.mode is Mode.AR and not trying:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:

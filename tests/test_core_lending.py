@@ -164,8 +164,12 @@ def test_plain_decoding_keeps_to_its_own_cores_where_lending_measures_slower():
     every core): the engine measures both sides and plain decoding stops lending; the outputs
     are plain decoding's."""
     e = auto_engine(["ar"])
-    loop = EngineLoop(e)
     place = e._placement
+    told = []                   # (ran on the drafter's cores, told the planner it was a try)
+    real_observe = e.adaptive.planner.observe
+    e.adaptive.planner.observe = lambda issued, o: (told.append((place.lent, o.trying_cores)),
+                                                    real_observe(issued, o))
+    loop = EngineLoop(e)
     finished = threading.Semaphore(0)
     outs: dict[str, list[int]] = {}
 
@@ -186,6 +190,11 @@ def test_plain_decoding_keeps_to_its_own_cores_where_lending_measures_slower():
         assert measured, f"no batch size measured on both sides: {summary}"
         for b, s in measured.items():
             assert s["lends"] is False and s["own_s_per_token"] < s["lent_s_per_token"], (b, s)
+        # the steps on the cores it only tried are not plain decoding's cost to the planner:
+        # its first steps on its own cores (lent is kept until both sides are measured) were
+        # tries; once it keeps to its own cores, those steps are not
+        own = [trying for lent, trying in told if not lent]
+        assert any(own[:8]) and not any(own[-10:]), own
         ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
         plain = [c.output_ids for c in ar.generate(prompts, params)]
         assert [outs[f"r{i}"] for i in range(len(prompts))] == plain

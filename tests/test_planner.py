@@ -1127,3 +1127,31 @@ def test_the_first_plain_step_after_drafting_prices_the_turn_off_not_plain_decod
     q = _plain_blocks_between_drafting(turn_off_s=0.0)
     assert abs(q.stats()["switch_cost"]["turn_off_s"]) < 1e-6
     assert q._switch_cost(Decision("sd", 2).arm, AR.arm) == 0.0
+
+
+def test_a_plain_step_on_cores_only_being_tried_counts_as_played_but_not_in_the_mean():
+    """The engine tries plain decoding on the other placement for its lending choice
+    (backend/engine/core_lending.py); those steps, 1.5x slower here, are not plain decoding's
+    cost as it runs: with them in its mean it would look dearer than it is."""
+    def planner(trials_in_the_mean: bool) -> Planner:
+        p = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=3, psd_available=False, seed=0)
+        t = 0.0
+        for step in range(400):
+            t += 0.005
+            d = p.decide(LoadSignals(batch_size=8, now=t))
+            trying = not d.speculative and step % 4 == 0            # a quarter of them
+            wall, tokens = (0.008, 12) if d.speculative else (0.006 * (1.5 if trying else 1.0), 8)
+            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=8,
+                                     trying_cores=trying and not trials_in_the_mean))
+        return p
+    p = planner(trials_in_the_mean=False)
+    ctx = p.bins.context(LoadSignals(batch_size=8))
+    plain = p.bandit.measured(ctx)[AR.arm][0]
+    assert sum(p.bandit.arm_counts().values()) == 400, "a step on cores being tried still counts as played"
+    q = planner(trials_in_the_mean=True)        # the same trials, in the mean: dearer
+    assert q.bandit.measured(ctx)[AR.arm][0] > 1.05 * plain
+    # and without them the mean is the steady steps' alone: the same as a planner that saw no trial
+    r = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=3, psd_available=False, seed=0)
+    r.decide(LoadSignals(batch_size=8, now=0.005))
+    r.observe(AR, StepOutcome(step_wall_s=0.006, tokens_committed=8, batch_size=8))
+    assert plain == pytest.approx(r.bandit.measured(ctx)[AR.arm][0], rel=1e-6)

@@ -49,6 +49,7 @@ class AdaptiveController:
         self.placement = placement
         self.lending = lending if placement is not None else None
         self._ar_steps = 0
+        self._trying_cores = False     # this step runs on cores the lending choice is trying
         self._lent_before = False      # the placement and ...
         self._drafted_before = False   # ... the kind of the step before this one
         self.scheduler = scheduler
@@ -74,6 +75,7 @@ class AdaptiveController:
         signals = self._snapshot()
         decision = self._issued = self.planner.decide(signals)
         mem = self.memory
+        self._trying_cores = False
         if decision.mode is Mode.NGRAM:
             self._lend_cores()               # n-gram drafts need no drafter model
             return StepPlan(decision.mode, decision.gamma)
@@ -116,10 +118,13 @@ class AdaptiveController:
         self._ar_steps += 1
         if self.placement is None or self._ar_steps < self.LEND_AFTER_STEPS:
             return
-        if decoding_batch is None or self.lending is None or self.lending.lend(decoding_batch):
+        lend = decoding_batch is None or self.lending is None or self.lending.lend(decoding_batch)
+        if lend:
             self.placement.lend_drafter_cores()
         else:
             self.placement.take_back_drafter_cores()
+        self._trying_cores = (decoding_batch is not None and self.lending is not None
+                              and lend != self.lending.keeps(decoding_batch))
 
     def _observe_lending(self, step: StepResult) -> None:
         """A plain-decoding step's cost, on the placement it ran on, for the lending choice:
@@ -172,7 +177,8 @@ class AdaptiveController:
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
             forward_cores=self.placement.target_cores_now() if self.placement is not None else 0,
-            ngram_matched=matched, ngram_compared=compared, decoded=step.decoded))
+            ngram_matched=matched, ngram_compared=compared, decoded=step.decoded,
+            trying_cores=self._trying_cores and not step.drafted))
 
     def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its

@@ -16,7 +16,9 @@ without this choice runs); then the faster side runs, and the slower one is meas
 ``probe_steps`` steps every ``probe_every`` plain steps of the bin, from those steps alone, so a
 change of load or host is followed within one probe. The engine leaves out the steps that are not plain decoding's alone to price: one
 that fed a prompt, one that follows a drafting step (the turn-off's), and the first after the
-placement changed.
+placement changed. A try or a probe is not plain decoding's cost as it runs: the controller tells the
+planner (``StepOutcome.trying_cores``), which counts the step as played but leaves it out of
+the arm's mean.
 """
 from __future__ import annotations
 
@@ -76,6 +78,14 @@ class CoreLending:
             if b.sides[side].steps < self.min_steps:
                 return side
         return b.probe_side if b.probe_left > 0 else b.faster()
+
+    def keeps(self, batch: int) -> bool:
+        """The side plain decoding of `batch` sequences keeps to now: lent until both sides
+        were tried, then the faster. A step on the other side is a try or a probe."""
+        b = self._bins.get(self._bin_of(batch))
+        if b is None or any(s.steps < self.min_steps for s in b.sides.values()):
+            return True
+        return b.faster()
 
     def observe(self, lent: bool, batch: int, seconds: float, tokens: int) -> None:
         """One plain-decoding step that ran `lent` (or not) with `batch` sequences: its cycle's
