@@ -59,7 +59,7 @@ class _Bin:
 
 
 class CoreLending:
-    def __init__(self, min_steps: int = 8, probe_every: int = 256, probe_steps: int = 8,
+    def __init__(self, min_steps: int = 8, probe_every: int = 512, probe_steps: int = 8,
                  forget: float = 0.97):
         self.min_steps = int(min_steps)
         self.probe_every = int(probe_every)
