@@ -45,13 +45,15 @@ def server_signals(margs: ModelArgs, mode: Mode | str) -> Any | None:
 
 
 def export_summary(name: str, planner: Any, path: Path | None) -> None:
-    """Log the planner's summary, and write it to ``path`` (when set) as JSON."""
+    """Log the planner's summary on one line, and write it to ``path`` (when set) as JSON with
+    the per-bin detail and the timeline (``Planner.stats()``: what each arm measured in each
+    batch bin, which is what tells why it chose what it did)."""
     summary = planner.summary()
     log.info("%s: %s%s", name, SUMMARY_LOG_PREFIX, json.dumps(summary, default=str))
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.write_text(json.dumps(planner.stats(), indent=2, default=str))
     os.replace(tmp, path)      # a reader never sees half a file
     log.info("%s: planner summary written to %s", name, path)
