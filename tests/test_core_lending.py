@@ -201,3 +201,15 @@ def test_plain_decoding_keeps_to_its_own_cores_where_lending_measures_slower():
     finally:
         loop.shutdown()
         e.close()
+
+
+def test_the_side_plain_decoding_will_keep_is_judged_from_each_sides_first_steps():
+    """Where plain decoding is played rarely its tries take long: the side it will keep, whose
+    steps the planner takes as plain decoding's cost, is the faster from each side's first 2."""
+    choice = CoreLending(min_steps=8)
+    assert choice.keeps(4) is True                          # nothing known: lent, as without it
+    play(choice, 4, 8 + 1, {True: 0.002, False: 0.001})     # 8 lent, 1 own
+    assert choice.keeps(4) is True                          # one own step is not enough to judge
+    play(choice, 4, 1, {True: 0.002, False: 0.001})
+    assert choice.keeps(4) is False                         # 2 own steps, faster: own it is
+    assert choice.lend(4) is False                          # (and its remaining tries are own)

@@ -62,6 +62,7 @@ class CoreLending:
     def __init__(self, min_steps: int = 8, probe_every: int = 512, probe_steps: int = 8,
                  forget: float = 0.97):
         self.min_steps = int(min_steps)
+        self.min_known = min(2, self.min_steps)
         self.probe_every = int(probe_every)
         self.probe_steps = int(probe_steps)
         self.forget = float(forget)
@@ -80,10 +81,14 @@ class CoreLending:
         return b.probe_side if b.probe_left > 0 else b.faster()
 
     def keeps(self, batch: int) -> bool:
-        """The side plain decoding of `batch` sequences keeps to now: lent until both sides
-        were tried, then the faster. A step on the other side is a try or a probe."""
+        """The side plain decoding of `batch` sequences is expected to keep: the faster so far
+        once each side has ``min_known`` steps (lent before). A step on the other side is a
+        try or a probe, not plain decoding's cost as it will run. Decided from the first steps
+        and not after all the tries, because where plain decoding is played rarely (between
+        speculative blocks) the tries take long, and meanwhile the slower side's steps would
+        make it look dearer than it will run."""
         b = self._bins.get(self._bin_of(batch))
-        if b is None or any(s.steps < self.min_steps for s in b.sides.values()):
+        if b is None or any(s.steps < self.min_known for s in b.sides.values()):
             return True
         return b.faster()
 
