@@ -14,11 +14,12 @@ steps: the step's cycle, which holds the gap before it in which the front end to
 step's outputs. Each side is tried for ``min_steps`` steps first (lent first, as an engine
 without this choice runs); then the faster side runs, and the slower one is measured again for
 ``probe_steps`` steps every ``probe_every`` plain steps of the bin, from those steps alone, so a
-change of load or host is followed within one probe. The engine leaves out the steps that are not plain decoding's alone to price: one
-that fed a prompt, one that follows a drafting step (the turn-off's), and the first after the
-placement changed. A try or a probe is not plain decoding's cost as it runs: the controller tells the
-planner (``StepOutcome.trying_cores``), which counts the step as played but leaves it out of
-the arm's mean.
+change of load or host is followed within one probe. The engine leaves out the steps that are
+not plain decoding's alone to price: one that fed a prompt, one that follows a drafting step
+(the turn-off's) and the first after the placement changed. A step on the side that measures
+slower so far (:meth:`CoreLending.keeps`) is not plain decoding's cost as it will run: the
+controller tells the planner (``StepOutcome.trying_cores``), which counts the step as played
+but leaves it out of the arm's mean.
 """
 from __future__ import annotations
 
