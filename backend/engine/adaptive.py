@@ -178,7 +178,7 @@ class AdaptiveController:
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
             forward_cores=self.placement.target_cores_now() if self.placement is not None else 0,
             ngram_matched=matched, ngram_compared=compared, decoded=step.decoded,
-            trying_cores=self._trying_cores and not step.drafted))
+            trying_cores=self._trying_cores))
 
     def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its

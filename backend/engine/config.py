@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from backend.engine.core_lending import MEASURED
 from backend.engine.paths import resolve_checkpoint, resolve_local
 from backend.errors import ConfigError
 from backend.mode import CONFIGURED_MODES, Mode, ProposerKind
@@ -81,7 +82,7 @@ class EngineConfig:
     # forward (one more torch thread each) while plain decoding runs, and go back before drafting.
     # true: always; "measured" (the default): where plain decoding measures faster with them,
     # per batch size (backend/engine/core_lending.py); false: never.
-    lend_drafter_cores: bool | str = "measured"
+    lend_drafter_cores: bool | str = MEASURED
     # With the drafter a worker on its own device: after each in-line proposal it drafts the
     # next round while the target verifies, betting on every draft accepted (PEARL; used when
     # the bet wins, dropped when not). Sequential SD and batch-parallel SD's in-line fallback
@@ -164,7 +165,7 @@ class EngineConfig:
         need(self.drafter_probs_transport in (None, "shared_buffer", "tensor"),
              "drafter_probs_transport: 'shared_buffer' or 'tensor'")
         need(isinstance(self.offload, bool), "offload: must be true or false")
-        need(isinstance(self.lend_drafter_cores, bool) or self.lend_drafter_cores == "measured",
+        need(isinstance(self.lend_drafter_cores, bool) or self.lend_drafter_cores == MEASURED,
              'lend_drafter_cores: true, false or "measured"')
         need(isinstance(self.draft_ahead, bool), "draft_ahead: must be true or false")
         need(not self.draft_ahead or (self.drafter_device is not None and self.proposer is ProposerKind.DRAFTER),
