@@ -154,10 +154,11 @@ def test_killed_worker_degrades_to_plain_decoding_and_restarts(prompts, ar_outpu
         engine.close()
 
 
-def test_worker_and_target_run_on_different_cores(psd):
+def test_worker_and_target_run_on_different_cores(psd, prompts):
     import os
     if len(os.sched_getaffinity(psd.drafter.drafter.pid) | os.sched_getaffinity(0)) < 2:
         pytest.skip("one core only: nothing to separate")
+    psd.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))   # a step pins its thread
     worker = os.sched_getaffinity(psd.drafter.drafter.pid)
     target = os.sched_getaffinity(0)
     assert worker and target and not (worker & target), (worker, target)

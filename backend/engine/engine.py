@@ -131,6 +131,8 @@ class Engine:
                                       on_finish=self.adaptive.record_finish if self.adaptive is not None else None)
         self._reload_s: float | None = None         # a reload's duration, not yet reported
         self._last_work_at = time.perf_counter()     # the end of the last step that had work
+        if self._placement is not None:     # each step pins the thread that runs it, not this one
+            self._placement.release_thread()
 
     def _load_drafter(self, config: EngineConfig) -> DrafterManager:
         return DrafterManager.for_target(config, self.target.config, self.kv.num_blocks, self.dtype,
@@ -220,7 +222,8 @@ class Engine:
         if not self.scheduler.has_work():
             return outputs
         reload_s, self._reload_s = self._reload_s, None     # reported with the next busy step
-
+        if self._placement is not None:
+            self._placement.place()                            # this thread on the target's cores
         plan = self._next_plan()                               # plan
         strategy = self._strategy_for(plan)
         batch = strategy.schedule(self.scheduler, plan)        # schedule

@@ -1,7 +1,13 @@
 """Where the drafter runs on a CPU host: cores of its own for the worker, the rest for the target.
 
 The plan is made before the target's process pins itself (a worker started later inherits its
-parent's affinity), and undone when the engine closes.
+parent's affinity), and undone when the engine closes. What is pinned is the thread that runs
+the target's forwards (the engine's steps), not the process: the constructing thread is pinned
+while the engine builds (its warm-up and calibration forwards) and then given its cores back,
+and each step pins the thread that runs it. A thread inherits its creator's affinity, so
+pinning the constructing thread for good would also pin every thread a front end starts after
+it (a server's request intake and response sending) to the target's core, where their work
+queues behind the forward while the drafter's core idles.
 """
 from __future__ import annotations
 
@@ -62,14 +68,31 @@ class CpuPlacement:
         target's forward runs on the drafter's cores too, one more thread per core; the worker
         stays pinned to them, idle. Call from the thread that runs the forwards."""
         if self._saved is not None and set(self.drafter_cores) - set(self.target_cores):
-            self._apply(self.target_cores + self.drafter_cores, self.target_threads + len(self.drafter_cores))
             self.lent = True
+            self.place()
 
     def take_back_drafter_cores(self) -> None:
         """Before the drafter drafts again: the target back on its own cores and threads."""
         if self._saved is not None:
-            self._apply(self.target_cores, self.target_threads)
             self.lent = False
+            self.place()
+
+    def place(self) -> None:
+        """Before a step, from the thread that runs it: that thread on the target's cores (and
+        the drafter's, while lent) with the target's threads."""
+        if self._saved is None:
+            return
+        if self.lent:
+            self._apply(self.target_cores + self.drafter_cores, self.target_threads + len(self.drafter_cores))
+        else:
+            self._apply(self.target_cores, self.target_threads)
+
+    def release_thread(self) -> None:
+        """The constructing thread back on the cores it had, once the engine is built: the
+        threads it starts later (a front end's) must not inherit the target's core. The
+        thread count stays the target's (torch's is one per process)."""
+        if self._saved is not None and os.sched_getaffinity(0) != self._saved[0]:
+            os.sched_setaffinity(0, self._saved[0])
 
     def target_cores_now(self) -> int:
         """The cores the target's forward runs on now (its own, or with the drafter's lent)."""
