@@ -113,8 +113,8 @@ def build_engines(args, names: list[str]) -> dict:
     for name in names:
         cfg, placement = engine_config(name, args)
         print(f"loading {name} ...", file=sys.stderr)
-        # An engine with a worker pins this process to the target's cores; the next one must
-        # plan its worker's core from all of them, or its worker lands on the target's core.
+        # An engine plans its worker's core from this thread's cores: all of them, not a
+        # placement's the thread was last given, or its worker lands on the target's core.
         os.sched_setaffinity(0, both.cores)
         engines[name] = (Engine(EngineConfig(**cfg)), placement)
     return engines
