@@ -38,14 +38,16 @@ PLAIN = StepPlan(Mode.AR, 0)
 
 @dataclass(frozen=True)
 class Drafting:
-    """What a strategy's drafting did in one step."""
+    """What a strategy's drafting did in one step, and where the target's forward ran meanwhile."""
     draft_s: float = 0.0          # drafting in line (PSD: the worker's time, overlapped)
     transport_s: float = 0.0      # PSD: handing the other sub-batch to the worker and back
     overlapped: bool = False      # PSD drafted the other sub-batch while the target ran
+    forward_cores: int = 0        # the forward borrowed the idle drafter's cores: the cores it
+                                  # ran on (0: the step's placement, no borrowing)
 
     def __add__(self, other: "Drafting") -> "Drafting":
         return Drafting(self.draft_s + other.draft_s, self.transport_s + other.transport_s,
-                        self.overlapped or other.overlapped)
+                        self.overlapped or other.overlapped, max(self.forward_cores, other.forward_cores))
 
 
 def ran(plan: StepPlan, drafted: int, overlapped: bool) -> Mode:
@@ -95,6 +97,7 @@ class StepResult(PassCounts):
     t_cycle_s: float = 0.0            # from the end of the previous step while busy (its caller's
                                       # handling of the outputs included); t_step_s after idling
     overlapped: bool = False          # batch-parallel SD drafted the other sub-batch meanwhile
+    forward_cores: int = 0            # the forward borrowed the drafter's cores: those it ran on
     num_outputs: int = 0              # outputs the step emitted (through a server: responses)
 
     @property

@@ -17,6 +17,7 @@ from backend.engine.core_lending import CoreLending
 from backend.engine.engine import Engine
 from backend.engine.loop import EngineLoop
 from backend.sampling.params import SamplingParams
+from backend.speculation.strategies import PlainDecoding
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 # the engine tests start drafter worker processes (slow), on a core of their own
@@ -102,6 +103,60 @@ def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_plann
         assert [c.output_ids for c in out] == [c.output_ids for c in ar.generate(PROMPTS, GREEDY)]
     finally:
         e.close()
+    assert os.sched_getaffinity(0) == all_cores
+
+
+@pytest.mark.slow
+@needs_worker
+def test_a_big_forward_borrows_the_waiting_drafter_cores_and_only_for_its_own_time():
+    """Sequential SD: the drafter waits while the target verifies, so the forward of a step that
+    feeds a long prompt beside the drafted sequences runs on the drafter's cores too, and the
+    planner is told so; the drafting and the small verifies keep to the target's cores."""
+    all_cores = os.sched_getaffinity(0)
+    e = auto_engine(["sd"])        # every decision the planner can make is speculative
+    place, ctl = e._placement, e.adaptive
+    target_cores = frozenset(place.target_cores)
+    forwards = []                   # each target forward: (tokens, its thread's cores, threads)
+    real_forward = e.runner.forward
+
+    def spy_forward(ids, cached, num_new, *args, **kw):
+        forwards.append((sum(num_new), frozenset(os.sched_getaffinity(0)), torch.get_num_threads()))
+        return real_forward(ids, cached, num_new, *args, **kw)
+    e.runner.forward = spy_forward
+    told = []                       # the cores each step's outcome gave the planner
+    real_observe = ctl.planner.observe
+    ctl.planner.observe = lambda issued, o: (told.append(o.forward_cores), real_observe(issued, o))
+    long_prompt = list(range(5, 5 + 600))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}                    # request -> the tokens it was sent
+
+    def step():
+        for out in e.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    try:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            e.add_request(f"short{i}", prompt, params)
+        while not e.stats().drafted_tokens:
+            step()
+        e.add_request("long", long_prompt, params)
+        step()
+        big_step = e.stats().last_step
+        assert big_step.num_prefill_tokens == len(long_prompt) and big_step.drafted > 0
+        assert big_step.forward_cores == len(all_cores) and told[-1] == len(all_cores)
+        assert not place.lent and os.sched_getaffinity(0) == target_cores and torch.get_num_threads() == 1
+        while e.has_unfinished():
+            step()
+        big = [f for f in forwards if f[0] >= PlainDecoding.BORROW_FROM_TOKENS]
+        assert len(big) == 1 and big[0][1:] == (all_cores, 2)
+        # (the first step fed only the short prompts: lent, as nothing could be drafted)
+        small = [f for f in forwards[1:] if f[0] < PlainDecoding.BORROW_FROM_TOKENS]
+        assert small and all(f[1:] == (target_cores, 1) for f in small)
+        assert e.stats().drafted_tokens > big_step.drafted, "no drafting after the borrowed forward"
+    finally:
+        e.close()
+    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+    plain = ar.generate([PROMPTS[0], PROMPTS[1], long_prompt], params)
+    assert [outputs["short0"], outputs["short1"], outputs["long"]] == [c.output_ids for c in plain]
     assert os.sched_getaffinity(0) == all_cores
 
 

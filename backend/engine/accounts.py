@@ -28,7 +28,7 @@ class Accounts:
             **vars(counts), plan=plan, mode=ran(plan, counts.drafted, drafting.overlapped), gamma=plan.gamma,
             batch_size=batch_size, t_schedule_s=t_schedule_s, t_draft_s=drafting.draft_s,
             t_transport_s=drafting.transport_s, t_step_s=t_step_s, t_cycle_s=t_cycle_s,
-            overlapped=drafting.overlapped, num_outputs=num_outputs)
+            overlapped=drafting.overlapped, forward_cores=drafting.forward_cores, num_outputs=num_outputs)
         st = self.stats
         st.steps += 1
         st.last_step = result

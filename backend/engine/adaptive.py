@@ -128,11 +128,12 @@ class AdaptiveController:
 
     def _observe_lending(self, step: StepResult) -> None:
         """A plain-decoding step's cost, on the placement it ran on, for the lending choice:
-        not one that fed a prompt, followed drafting (the turn-off's cost) or changed the
-        placement (the first step on new threads)."""
+        not one that fed a prompt, borrowed the cores for a big forward, followed drafting (the
+        turn-off's cost) or changed the placement (the first step on new threads)."""
         lent = self.placement is not None and self.placement.lent
         if (self.lending is not None and step.mode is Mode.AR and not step.drafted and step.decoded
-                and step.num_prefill_tokens == 0 and not self._drafted_before and lent == self._lent_before):
+                and step.num_prefill_tokens == 0 and not step.forward_cores and not self._drafted_before
+                and lent == self._lent_before):
             self.lending.observe(lent, step.batch_size, step.t_cycle_s, step.tokens_committed)
         self._lent_before, self._drafted_before = lent, step.drafted > 0
 
@@ -176,9 +177,9 @@ class AdaptiveController:
             drafter_reload_s=reload_s or 0.0,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
-            forward_cores=self.placement.target_cores_now() if self.placement is not None else 0,
+            forward_cores=step.forward_cores or (self.placement.target_cores_now() if self.placement is not None else 0),
             ngram_matched=matched, ngram_compared=compared, decoded=step.decoded,
-            trying_cores=self._trying_cores))
+            trying_cores=self._trying_cores and not step.forward_cores))
 
     def _observe_serving(self, step: StepResult) -> None:
         """The previous step's cost outside its forwards, now that it is complete: its

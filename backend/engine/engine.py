@@ -102,12 +102,12 @@ class Engine:
         self.plan: StepPlan = PLAIN
         self.set_gamma(config.gamma if config.mode is not Mode.AR else 0)
         self.sub_batches = SubBatches()
+        lending = self._placement if config.lend_drafter_cores is not False else None
         self._strategies = build_strategies(self.drafter, self.ngram, self.max_model_len, self.sub_batches,
-                                            config.draft_ahead)
+                                            config.draft_ahead, lending)
         self._strategy = self._strategies[Mode.AR]
         self.adaptive: AdaptiveController | None = None
         if config.mode is Mode.AUTO:
-            lending = self._placement if config.lend_drafter_cores is not False else None
             planner = Planner(PlannerConfig.from_dict(config.planner), gamma_max=config.gamma_max,
                               psd_available=self.drafter.remote, seed=config.seed,
                               ngram_available=self.ngram is not None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -76,6 +77,19 @@ class CpuPlacement:
         if self._saved is not None:
             self.lent = False
             self.place()
+
+    @contextmanager
+    def borrowing(self):
+        """For one forward while the drafter idles (its worker waits for the next request):
+        the drafter's cores too, then the placement as it was."""
+        if self.lent:
+            yield
+            return
+        self.lend_drafter_cores()
+        try:
+            yield
+        finally:
+            self.take_back_drafter_cores()
 
     def place(self) -> None:
         """Before a step, from the thread that runs it: that thread on the target's cores (and

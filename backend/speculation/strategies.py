@@ -23,6 +23,7 @@ from backend.batching.scheduler import ScheduledSeq, Scheduler
 from backend.batching.sequence import Sequence, Status
 from backend.mode import Mode
 from backend.speculation.manager import DrafterManager
+from backend.speculation.placement import CpuPlacement
 from backend.speculation.proposer import Proposal
 from backend.speculation.sub_batches import SubBatches
 from backend.step import Drafting, StepPlan
@@ -31,16 +32,32 @@ T = TypeVar("T")
 
 
 class PlainDecoding:
+    # A forward of this many tokens (a step that feeds prompts, a wide verify) runs on the
+    # drafter's CPU cores too while the drafter waits: its compute dwarfs the cost of sharing
+    # a core. Not for small forwards: a decode step's forward split over a core the drafter
+    # is about to use waits for it (sequential SD at concurrency 1 lost 20x that way).
+    BORROW_FROM_TOKENS = 512
+
+    def __init__(self, placement: CpuPlacement | None = None):
+        """`placement`: the CPU placement whose drafter cores a big forward may borrow (None: never)."""
+        self.placement = placement
+        self._forward_tokens = 0
+
     def schedule(self, scheduler: Scheduler, plan: StepPlan) -> list[ScheduledSeq]:
         return scheduler.schedule(lambda seq: 0)
 
     def propose(self, batch: list[ScheduledSeq], plan: StepPlan) -> Drafting:
+        self._forward_tokens = forward_tokens(batch)
         return Drafting()
 
     def alongside(self, plan: StepPlan, body: Callable[[], T]) -> tuple[T, Drafting]:
         """Run `body` (the target's forward, verification and commit) and what drafting goes on
-        meanwhile: nothing, here."""
-        return body(), Drafting()
+        meanwhile: nothing, here, so a big forward borrows the drafter's cores."""
+        p = self.placement
+        if p is None or p.lent or self._forward_tokens < self.BORROW_FROM_TOKENS:
+            return body(), Drafting()
+        with p.borrowing():
+            return body(), Drafting(forward_cores=p.target_cores_now())
 
     def forget(self, seq_id: str) -> None:
         pass
@@ -52,7 +69,11 @@ class PlainDecoding:
 class SequentialSD(PlainDecoding):
     """Draft every scheduled sequence in line, then verify all of them in one target forward."""
 
-    def __init__(self, drafter: DrafterManager, max_model_len: int, draft_ahead: bool = False):
+    def __init__(self, drafter: DrafterManager, max_model_len: int, draft_ahead: bool = False,
+                 placement: CpuPlacement | None = None):
+        # With draft-ahead the worker drafts the next round while the target verifies: its
+        # cores are busy then.
+        super().__init__(placement if not draft_ahead else None)
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.draft_ahead = draft_ahead      # the worker pre-drafts the next round meanwhile
@@ -75,6 +96,7 @@ class SequentialSD(PlainDecoding):
                     s.drafts, s.draft_probs = p.tokens, p.probs
         for s in batch:       # no drafts (drafter down or out of room): plain decode
             s.gamma = len(s.drafts) if s.drafts else 0
+        self._forward_tokens = forward_tokens(batch)
         return Drafting(draft_s=seconds)
 
 
@@ -166,17 +188,25 @@ class BatchParallelSD(SequentialSD):
 
 
 def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | None, max_model_len: int,
-                     sub_batches: SubBatches, draft_ahead: bool = False) -> dict[Mode, PlainDecoding]:
+                     sub_batches: SubBatches, draft_ahead: bool = False,
+                     placement: CpuPlacement | None = None) -> dict[Mode, PlainDecoding]:
     """The engine's strategies by the mode a plan names: plain decoding always; SD and PSD over
     the drafter (the n-gram proposer, when it is the only one, drafts for SD); NGRAM, sequential
-    SD over an n-gram proposer held beside a drafter model (mode auto chooses per step)."""
-    out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding()}
+    SD over an n-gram proposer held beside a drafter model (mode auto chooses per step).
+    `placement`: the drafter worker's CPU cores, which a big forward borrows where nothing
+    drafts meanwhile (plain decoding, sequential SD; batch-parallel SD drafts alongside)."""
+    out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding(placement)}
     if drafter is not None:
-        out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead)
+        out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead, placement)
         out[Mode.PSD] = BatchParallelSD(drafter, max_model_len, sub_batches, draft_ahead)
     if ngram is not None:
-        out[Mode.NGRAM] = SequentialSD(ngram, max_model_len)
+        out[Mode.NGRAM] = SequentialSD(ngram, max_model_len, placement=placement)
     return out
+
+
+def forward_tokens(batch: list[ScheduledSeq]) -> int:
+    """The tokens the target's forward takes for `batch`: new tokens and drafts."""
+    return sum(s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch)
 
 
 def take(seq: Sequence, proposal: Proposal) -> None:
