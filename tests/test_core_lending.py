@@ -17,7 +17,10 @@ from backend.engine.core_lending import CoreLending
 from backend.engine.engine import Engine
 from backend.engine.loop import EngineLoop
 from backend.sampling.params import SamplingParams
+from backend.batching.scheduler import ScheduledSeq
+from backend.speculation.placement import CpuPlacement
 from backend.speculation.strategies import PlainDecoding
+from backend.step import PLAIN
 from model_factory import TINY_DRAFTER, TINY_TARGET
 
 # the engine tests start drafter worker processes (slow), on a core of their own
@@ -157,6 +160,35 @@ def test_a_big_forward_borrows_the_waiting_drafter_cores_and_only_for_its_own_ti
     ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
     plain = ar.generate([PROMPTS[0], PROMPTS[1], long_prompt], params)
     assert [outputs["short0"], outputs["short1"], outputs["long"]] == [c.output_ids for c in plain]
+    assert os.sched_getaffinity(0) == all_cores
+
+
+@needs_worker
+def test_only_a_big_forward_that_runs_op_by_op_borrows_the_drafter_cores():
+    """Small forwards would wait for the drafter's core; a captured step (every sequence feeds
+    at most its query length) would compile again for the extra threads."""
+    all_cores = os.sched_getaffinity(0)
+    place = CpuPlacement("cpu", 1)
+    try:
+        place.place()
+        target = (frozenset(place.target_cores), 1)
+        plain = PlainDecoding(place, captured_query_len=9)
+        ran_on = []
+
+        def body():
+            ran_on.append((frozenset(os.sched_getaffinity(0)), torch.get_num_threads()))
+            return "outputs"
+        for fed, borrows in [([600, 1, 1], True),       # a long prompt beside two decoding
+                             ([300, 1], False),          # a prompt, under the size
+                             ([5] * 120, False)]:        # 600 tokens a captured step takes
+            plain.propose([ScheduledSeq(None, n) for n in fed], PLAIN)
+            out, drafting = plain.alongside(PLAIN, body)
+            assert out == "outputs"
+            assert ran_on[-1] == ((frozenset(all_cores), 2) if borrows else target)
+            assert drafting.forward_cores == (len(all_cores) if borrows else 0)
+            assert not place.lent and (frozenset(os.sched_getaffinity(0)), torch.get_num_threads()) == target
+    finally:
+        place.restore()
     assert os.sched_getaffinity(0) == all_cores
 
 

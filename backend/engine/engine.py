@@ -103,8 +103,10 @@ class Engine:
         self.set_gamma(config.gamma if config.mode is not Mode.AR else 0)
         self.sub_batches = SubBatches()
         lending = self._placement if config.lend_drafter_cores is not False else None
+        captured = getattr(self.runner, "captured", None)
         self._strategies = build_strategies(self.drafter, self.ngram, self.max_model_len, self.sub_batches,
-                                            config.draft_ahead, lending)
+                                            config.draft_ahead, lending,
+                                            captured.max_query_len if captured is not None else 0)
         self._strategy = self._strategies[Mode.AR]
         self.adaptive: AdaptiveController | None = None
         if config.mode is Mode.AUTO:

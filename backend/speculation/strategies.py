@@ -32,29 +32,38 @@ T = TypeVar("T")
 
 
 class PlainDecoding:
-    # A forward of this many tokens (a step that feeds prompts, a wide verify) runs on the
-    # drafter's CPU cores too while the drafter waits: its compute dwarfs the cost of sharing
-    # a core. Not for small forwards: a decode step's forward split over a core the drafter
-    # is about to use waits for it (sequential SD at concurrency 1 lost 20x that way).
+    # A forward of this many tokens that feeds a prompt runs on the drafter's CPU cores too
+    # while the drafter waits: its compute dwarfs the cost of sharing a core. Not a small
+    # forward: split over a core the drafter is about to use, it waits for it (sequential SD at
+    # concurrency 1 ran 20x slower that way). Not a captured step (decode, verification): it
+    # would compile again for the extra threads, a stall of seconds.
     BORROW_FROM_TOKENS = 512
 
-    def __init__(self, placement: CpuPlacement | None = None):
-        """`placement`: the CPU placement whose drafter cores a big forward may borrow (None: never)."""
+    def __init__(self, placement: CpuPlacement | None = None, captured_query_len: int = 0):
+        """`placement`: the CPU placement whose drafter cores a big forward may borrow (None:
+        never); `captured_query_len`: the most tokens a sequence feeds in a captured step (0:
+        nothing is captured)."""
         self.placement = placement
-        self._forward_tokens = 0
+        self.captured_query_len = captured_query_len
+        self._borrow = False          # this step's forward borrows the drafter's cores
+
+    def _plan_borrowing(self, batch: list[ScheduledSeq]) -> None:
+        fed = [s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch]
+        self._borrow = (self.placement is not None and bool(fed) and max(fed) > self.captured_query_len
+                        and sum(fed) >= self.BORROW_FROM_TOKENS)
 
     def schedule(self, scheduler: Scheduler, plan: StepPlan) -> list[ScheduledSeq]:
         return scheduler.schedule(lambda seq: 0)
 
     def propose(self, batch: list[ScheduledSeq], plan: StepPlan) -> Drafting:
-        self._forward_tokens = forward_tokens(batch)
+        self._plan_borrowing(batch)
         return Drafting()
 
     def alongside(self, plan: StepPlan, body: Callable[[], T]) -> tuple[T, Drafting]:
         """Run `body` (the target's forward, verification and commit) and what drafting goes on
         meanwhile: nothing, here, so a big forward borrows the drafter's cores."""
         p = self.placement
-        if p is None or p.lent or self._forward_tokens < self.BORROW_FROM_TOKENS:
+        if not self._borrow or p.lent:
             return body(), Drafting()
         with p.borrowing():
             return body(), Drafting(forward_cores=p.target_cores_now())
@@ -70,10 +79,10 @@ class SequentialSD(PlainDecoding):
     """Draft every scheduled sequence in line, then verify all of them in one target forward."""
 
     def __init__(self, drafter: DrafterManager, max_model_len: int, draft_ahead: bool = False,
-                 placement: CpuPlacement | None = None):
+                 placement: CpuPlacement | None = None, captured_query_len: int = 0):
         # With draft-ahead the worker drafts the next round while the target verifies: its
         # cores are busy then.
-        super().__init__(placement if not draft_ahead else None)
+        super().__init__(placement if not draft_ahead else None, captured_query_len)
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.draft_ahead = draft_ahead      # the worker pre-drafts the next round meanwhile
@@ -96,7 +105,7 @@ class SequentialSD(PlainDecoding):
                     s.drafts, s.draft_probs = p.tokens, p.probs
         for s in batch:       # no drafts (drafter down or out of room): plain decode
             s.gamma = len(s.drafts) if s.drafts else 0
-        self._forward_tokens = forward_tokens(batch)
+        self._plan_borrowing(batch)
         return Drafting(draft_s=seconds)
 
 
@@ -189,24 +198,22 @@ class BatchParallelSD(SequentialSD):
 
 def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | None, max_model_len: int,
                      sub_batches: SubBatches, draft_ahead: bool = False,
-                     placement: CpuPlacement | None = None) -> dict[Mode, PlainDecoding]:
+                     placement: CpuPlacement | None = None, captured_query_len: int = 0
+                     ) -> dict[Mode, PlainDecoding]:
     """The engine's strategies by the mode a plan names: plain decoding always; SD and PSD over
     the drafter (the n-gram proposer, when it is the only one, drafts for SD); NGRAM, sequential
     SD over an n-gram proposer held beside a drafter model (mode auto chooses per step).
     `placement`: the drafter worker's CPU cores, which a big forward borrows where nothing
-    drafts meanwhile (plain decoding, sequential SD; batch-parallel SD drafts alongside)."""
-    out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding(placement)}
+    drafts meanwhile (plain decoding, sequential SD; batch-parallel SD drafts alongside), if it
+    feeds a sequence more than `captured_query_len` tokens (it runs op by op)."""
+    out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding(placement, captured_query_len)}
     if drafter is not None:
-        out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead, placement)
+        out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead, placement, captured_query_len)
         out[Mode.PSD] = BatchParallelSD(drafter, max_model_len, sub_batches, draft_ahead)
     if ngram is not None:
-        out[Mode.NGRAM] = SequentialSD(ngram, max_model_len, placement=placement)
+        out[Mode.NGRAM] = SequentialSD(ngram, max_model_len, placement=placement,
+                                       captured_query_len=captured_query_len)
     return out
-
-
-def forward_tokens(batch: list[ScheduledSeq]) -> int:
-    """The tokens the target's forward takes for `batch`: new tokens and drafts."""
-    return sum(s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch)
 
 
 def take(seq: Sequence, proposal: Proposal) -> None:
