@@ -32,11 +32,12 @@ T = TypeVar("T")
 
 
 class PlainDecoding:
-    # A forward of this many tokens that feeds a prompt runs on the drafter's CPU cores too
-    # while the drafter waits: its compute dwarfs the cost of sharing a core. Not a small
-    # forward: split over a core the drafter is about to use, it waits for it (sequential SD at
-    # concurrency 1 ran 20x slower that way). Not a captured step (decode, verification): it
-    # would compile again for the extra threads, a stall of seconds.
+    # A forward of this many tokens that runs op by op (it feeds a prompt chunk longer than a
+    # captured step takes; any forward where nothing is captured) runs on the drafter's CPU
+    # cores too while the drafter waits: its compute dwarfs the cost of sharing a core. Not a
+    # small forward: split over a core the drafter is about to use, it waits for it (sequential
+    # SD at concurrency 1 ran 20x slower that way). Not a captured step (decode, verification):
+    # it would compile again for the extra threads, a stall of seconds.
     BORROW_FROM_TOKENS = 512
 
     def __init__(self, placement: CpuPlacement | None = None, captured_query_len: int = 0):
