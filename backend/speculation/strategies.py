@@ -36,8 +36,8 @@ class PlainDecoding:
     # captured step takes; any forward where nothing is captured) runs on the drafter's CPU
     # cores too while the drafter waits: its compute dwarfs the cost of sharing a core. Not a
     # small forward: split over a core the drafter is about to use, it waits for it (sequential
-    # SD at concurrency 1 ran many times slower that way). Not a captured step (decode, verification):
-    # it would compile again for the extra threads, a stall of seconds.
+    # SD at concurrency 1 ran many times slower that way). Not a captured step (decode,
+    # verification): it would compile again for the extra threads, a stall of seconds.
     BORROW_FROM_TOKENS = 512
 
     def __init__(self, placement: CpuPlacement | None = None, captured_query_len: int = 0):
