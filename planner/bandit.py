@@ -358,6 +358,11 @@ class ContextualBandit:
             self._shrink(b, self.config.shrink_to)
         self.stale_resets += 1
 
+    def forget_current(self) -> None:
+        """Nothing runs any more: the next choice switches from no arm, so it pays no switching
+        cost either way (a block held in its bin goes on)."""
+        self.current = None
+
     def interrupt(self) -> None:
         """End every held block: the next select() of each bin decides afresh."""
         for b in self._bins.values():

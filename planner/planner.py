@@ -131,6 +131,12 @@ class Planner:
         if signals.drafter_lag_tokens is not None:
             self._switch.engine_lag = int(signals.drafter_lag_tokens)
         d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
+        if signals.batch_size == 0:
+            # Nothing running (the engine was idle): this step only feeds prompts and runs
+            # plain, the drafter has every new context to take in whatever runs next, and no
+            # drafting is under way to turn off. So no arm is current for the next choice.
+            self.bandit.forget_current()
+            self._drafted_last = False
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)

@@ -92,6 +92,30 @@ def test_switching_cost_suppresses_thrashing(growth):
     assert free < T / 5
 
 
+def test_after_an_idle_engine_the_next_choice_pays_no_switch():
+    """A cheaper arm that costs much to switch to is not taken from a running arm, but is when
+    nothing was running: a planner's step with no running request leaves no arm current."""
+    def bandit():
+        b = ContextualBandit(["ar", "sd"], seed=0, block_growth=1.0,     # a decision every step
+                             switch_cost=lambda a, c: 50.0 if (a, c) == ("sd", "ar") else 0.0)
+        rng = np.random.default_rng(0)
+        for t in range(200):      # ar measured, then sd running
+            a = b.select(0, allowed=["ar"] if t < 100 else ["sd"])
+            b.update(0, a, (0.9 if a == "ar" else 1.0) * (1 + 0.05 * rng.standard_normal()))
+        return b
+    running = bandit()
+    assert running.select(0) == "sd"
+    idle = bandit()
+    idle.forget_current()
+    assert idle.select(0) == "ar"
+
+    p = Planner(PlannerConfig.from_dict({"modes": ["ar", "sd"]}), gamma_max=2, psd_available=False, seed=0)
+    p.decide(LoadSignals(batch_size=8))
+    assert p.bandit.current is not None
+    p.decide(LoadSignals(batch_size=0, waiting=8))       # only prompts: nothing running
+    assert p.bandit.current is None
+
+
 def test_bandit_block_lengths_grow_in_a_context():
     lengths = []
 
