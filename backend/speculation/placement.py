@@ -80,11 +80,8 @@ class CpuPlacement:
 
     @contextmanager
     def borrowing(self):
-        """For one forward while the drafter idles (its worker waits for the next request):
-        the drafter's cores too, then the placement as it was."""
-        if self.lent:
-            yield
-            return
+        """For one forward while the drafter idles (its worker waits for the next request) and
+        its cores are not lent: the drafter's cores too, then the target's own again."""
         self.lend_drafter_cores()
         try:
             yield

@@ -49,8 +49,10 @@ class PlainDecoding:
         self._borrow = False          # this step's forward borrows the drafter's cores
 
     def _plan_borrowing(self, batch: list[ScheduledSeq]) -> None:
+        if self.placement is None:        # nothing to borrow (a GPU, or no drafter worker)
+            return
         fed = [s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch]
-        self._borrow = (self.placement is not None and bool(fed) and max(fed) > self.captured_query_len
+        self._borrow = (bool(fed) and max(fed) > self.captured_query_len
                         and sum(fed) >= self.BORROW_FROM_TOKENS)
 
     def schedule(self, scheduler: Scheduler, plan: StepPlan) -> list[ScheduledSeq]:
