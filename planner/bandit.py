@@ -358,10 +358,12 @@ class ContextualBandit:
             self._shrink(b, self.config.shrink_to)
         self.stale_resets += 1
 
-    def forget_current(self) -> None:
-        """Nothing runs any more: the next choice switches from no arm, so it pays no switching
-        cost either way (a block held in its bin goes on)."""
-        self.current = None
+    def assume_current(self, arm: Arm) -> None:
+        """`arm` runs now, whichever this bandit chose last (after the engine idled, plain
+        decoding): the next choice prices its switches from it, and enters its context afresh,
+        so a block held there goes on only if it is `arm`'s."""
+        self.current = arm
+        self._has_last = False
 
     def interrupt(self) -> None:
         """End every held block: the next select() of each bin decides afresh."""

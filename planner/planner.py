@@ -130,13 +130,17 @@ class Planner:
         self._drafter.report(signals.drafter_offloaded)
         if signals.drafter_lag_tokens is not None:
             self._switch.engine_lag = int(signals.drafter_lag_tokens)
-        d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
+        if signals.batch_size == 0 and AR.arm in self._decisions:
+            # Nothing running (the engine was idle): this step only feeds prompts, so it runs
+            # plain and no arm is chosen for it. After it plain decoding is current, and the
+            # drafter is behind by the new prompts: speculating next pays their catch-up as a
+            # turn-on, where plain decoding pays nothing.
+            d = AR
+            self.bandit.assume_current(AR.arm)
+        else:
+            d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
         if signals.batch_size == 0:
-            # Nothing running (the engine was idle): this step only feeds prompts and runs
-            # plain, the drafter has every new context to take in whatever runs next, and no
-            # drafting is under way to turn off. So no arm is current for the next choice.
-            self.bandit.forget_current()
-            self._drafted_last = False
+            self._drafted_last = False      # nothing was drafting: no turn-off to price
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)

@@ -111,6 +111,32 @@ def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_plann
 
 @pytest.mark.slow
 @needs_worker
+def test_a_step_that_only_prefills_runs_on_the_drafter_cores_where_plain_decoding_keeps_its_own():
+    """The lending choice is plain decoding's, at its batch size: a step with nothing decoding
+    (after an idle engine the planner issues plain decoding for it) feeds only prompts and runs
+    on every core, where plain decoding at batch 1 keeps to the target's own core."""
+    e = auto_engine(["ar"])
+    place = e._placement
+    try:
+        for _ in range(8):               # at batch 1 the own core measures 10x faster
+            e.adaptive.lending.observe(True, 1, 0.010, 1)
+            e.adaptive.lending.observe(False, 1, 0.001, 1)
+        assert not e.adaptive.lending.lend(1)
+        seen = []
+        out = e.generate(PROMPTS[:1], GREEDY, on_step=lambda _: seen.append(
+            (e.stats().last_step, place.lent, torch.get_num_threads())))
+        first, *decoding = seen
+        assert first[0].num_prefill_tokens > 0 and not first[0].decoded
+        assert first[1] and first[2] == 2, "the prompt ran on the target's core alone"
+        assert decoding and all(not lent and threads == 1 for _, lent, threads in decoding)
+        ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+        assert out[0].output_ids == ar.generate(PROMPTS[:1], GREEDY)[0].output_ids
+    finally:
+        e.close()
+
+
+@pytest.mark.slow
+@needs_worker
 def test_a_big_forward_borrows_the_waiting_drafter_cores_and_only_for_its_own_time():
     """Sequential SD: the drafter waits while the target verifies, so the forward of a step that
     feeds a long prompt beside the drafted sequences runs on the drafter's cores too, and the

@@ -95,7 +95,7 @@ class AdaptiveController:
             return StepPlan(decision.mode, decision.gamma)
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
             mem.offload()
-        self._lend_cores(signals.batch_size)
+        self._lend_cores(signals.batch_size if self._any_decoding() else None)
         return PLAIN
 
     def reload_pending_while_idle(self) -> bool:
