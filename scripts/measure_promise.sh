@@ -20,7 +20,7 @@ for part in "${parts[@]}"; do
       $ND bench levels --concurrency 1,4,16,64 --repeats 2 --pa-window-s 3 --json "$OUT/levels.json" ;;
     dynamic-in-process-*)
       shape="${part#dynamic-in-process-}"
-      $ND bench dynamic --shape "$shape" --scale 0.4 --repeats 2 --json "$OUT/dynamic-$shape.json" ;;
+      $ND bench dynamic --shape "$shape" --scale 0.3 --repeats 2 --json "$OUT/dynamic-$shape.json" ;;
     dynamic-*)
       shape="${part#dynamic-}"
       $ND bench dynamic --server --shape "$shape" --scale 0.3 --repeats 2 \
