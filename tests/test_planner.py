@@ -125,6 +125,27 @@ def test_after_an_idle_engine_plain_decoding_is_current_and_speculating_pays_the
     assert p.decide(LoadSignals(batch_size=8, drafter_lag_tokens=8000, now=t + 0.01)) == Decision("sd", 2)
 
 
+def test_a_block_held_for_another_arm_does_not_resume_once_an_arm_is_assumed_current():
+    """After the engine idled plain decoding runs whatever the bandit chose last: a speculative
+    block still held in the bin does not go on from there, the next choice is made afresh and
+    pays the switch back to speculation."""
+    def held_sd_block():
+        turn_on = [0.0]
+        b = ContextualBandit(["ar", "sd"], seed=0, initial_block=64, max_block=64,
+                             switch_cost=lambda a, c: turn_on[0] if (a, c) == ("ar", "sd") else 0.0)
+        for t in range(40):       # ar measured, then sd played in a long block, still held
+            a = b.select(0, allowed=["ar"] if t < 20 else ["sd"])
+            b.update(0, a, 1.05 if a == "ar" else 1.0)
+        assert b.current == "sd" and b._bin(0).block_left > 0
+        turn_on[0] = 50.0         # from now on turning the drafter on costs
+        return b
+    running = held_sd_block()
+    assert running.select(0) == "sd"
+    idle = held_sd_block()
+    idle.assume_current("ar")
+    assert idle.select(0) == "ar"
+
+
 def test_bandit_block_lengths_grow_in_a_context():
     lengths = []
 
