@@ -19,7 +19,9 @@ class StepOutcome:
     tokens_committed: int              # over all sequences
     batch_size: int                    # sequences the step advanced
     ran: Decision | None = None        # what actually ran; None: the issued decision
-    drafter_rebuild_s: float = 0.0     # the drafter's catch-up, when speculation resumed
+    # the drafter's catch-up forward in a step that drafted (tokens and prompts it had not seen):
+    # after a turn-on the switch's cost, else a cost of speculating on new prompts
+    drafter_catchup_s: float = 0.0
     drafter_reload_s: float = 0.0      # its weights' trip back, when they just arrived
     prefill_tokens: int = 0            # prompt tokens fed this step (their time is not the arm's)
     forward_tokens: int = 0            # tokens the target's forward took ...
