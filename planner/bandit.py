@@ -37,17 +37,12 @@ The rule, per context bin (every statistic below is kept separately for each bin
   back, if the engine still runs that arm.
 * **Switching cost.** ``switch_cost(from, to)`` (in loss units: the extra *summed* loss the
   switch costs) is added to a challenger's index, amortised over the steps the bandit expects to
-  stay in the bin (an average of past visit lengths, or the current visit's length so far if it
-  is longer, capped at ``switch_horizon``; a visit ends when the bin is left for more than
-  ``visit_gap`` steps, so a batch size flapping across a bin edge does not cut it short): a
-  switch pays off only if the challenger's advantage over the stay outweighs it. Before a bin's
-  first visit ends (and when it comes back stale) its stay is the current visit's so far, so a
-  bin the load only passes through (a closed-loop wave's requests finishing and the next ones
-  admitted) is not switched in for a stay it will not have, and a bin the load stays in is
-  switched in once the steps it stayed would have paid for the switch (rent, then buy).
-  ``hysteresis`` (a fraction of the running arm's mean loss) must be beaten by any challenger, so
-  near-equal arms do not alternate when the context flaps between two bins, and ``min_hold``
-  enforces a minimum number of steps between any two switches.
+  stay in the bin (an average of past visit lengths, capped at ``switch_horizon``; a visit ends
+  when the bin is left for more than ``visit_gap`` steps, so a batch size flapping across a bin
+  edge does not cut it short): a switch pays off only if the challenger's advantage over the stay
+  outweighs it. ``hysteresis`` (a fraction of the running arm's mean loss) must be beaten by any
+  challenger, so near-equal arms do not alternate when the context flaps between two bins, and
+  ``min_hold`` enforces a minimum number of steps between any two switches.
 * **Non-stationarity.** Statistics are discounted by ``discount`` per step of the bin, so an
   unplayed arm's confidence interval widens again and it is re-probed (a change in an arm the
   bandit does not play is found that way). A change in the arm it does play is detected directly:
@@ -178,9 +173,7 @@ class ContextualBandit:
     def _bin(self, context: Context) -> _Bin:
         b = self._bins.get(context)
         if b is None:
-            # No visit has ended yet: the stay is taken to be as long as this visit has lasted
-            # (a bin the load only passes through does not amortise a switch over a long stay).
-            b = self._bins[context] = _Bin(len(self.arms), 1.0)
+            b = self._bins[context] = _Bin(len(self.arms), float(self.config.switch_horizon))
         return b
 
     def _shrink(self, b: _Bin, keep: float) -> None:
@@ -331,7 +324,7 @@ class ContextualBandit:
                 b.visit_start = self.step
             if b.t > 0 and gap > self.config.stale_after:
                 self._shrink(b, self.config.shrink_to)
-                b.dwell = 1.0               # its visits' length is as unknown as a new bin's
+                b.dwell = float(self.config.switch_horizon)
                 self.stale_resets += 1
             self._last_ctx, self._has_last = context, True
         b.last_seen = self.step

@@ -92,37 +92,6 @@ def test_switching_cost_suppresses_thrashing(growth):
     assert free < T / 5
 
 
-def test_a_bin_the_load_passes_through_does_not_amortise_a_turn_on_over_a_long_stay():
-    """The load spends 97 steps of each 100 in bin 0, where plain decoding is best, and passes
-    through bin 1 for 3 (a closed-loop wave's requests finishing and the next being admitted),
-    where speculation is 0.2 a step better and turning it on costs 20. Over 3 steps the switch
-    never pays; a bin not yet left is taken to last as long as its visit has so far, so it is
-    not switched into (before, a new bin's stay was taken to be `switch_horizon`, 256 steps, and
-    the first passes switched). Once the load stays in bin 1, it switches once the steps it
-    stayed would have paid for the switch (20 / 0.2 = 100 steps: rent, then buy), at the end of
-    a block of plain decoding."""
-    loss = {(0, "ar"): 1.0, (0, "sd"): 1.3, (1, "ar"): 1.0, (1, "sd"): 0.8}
-    b = ContextualBandit(["ar", "sd"], seed=0, prior=lambda c, a: loss[c, a],
-                         switch_cost=lambda a, c: 20.0 if (a, c) == ("ar", "sd") else 0.0)
-    passing = []
-    for _ in range(20):
-        for t in range(100):
-            c = 0 if t < 97 else 1
-            a = b.select(c)
-            b.update(c, a, loss[c, a])
-            if c == 1:
-                passing.append(a)
-    assert passing == ["ar"] * 60 and b.switches == 0
-    staying = []
-    for _ in range(300):
-        a = b.select(1)
-        b.update(1, a, loss[1, a])
-        staying.append(a)
-    first_sd = staying.index("sd")          # (decisions fall at the ends of blocks)
-    assert first_sd >= 50, first_sd
-    assert set(staying[first_sd:]) == {"sd"}
-
-
 def _speculating_at_batch_8(seed: int = 0) -> tuple[Planner, float]:
     """A planner that has settled on sd:2, measured 8 % cheaper a token than plain decoding at
     batch 8 (4.4 ms for 8 tokens against 8.1 ms for 16), with a catch-up of 50 us a token."""
