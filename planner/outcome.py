@@ -24,6 +24,8 @@ class StepOutcome:
     # after a turn-on the switch's cost, else a cost of speculating on new prompts
     drafter_catchup_s: float = 0.0
     drafter_reload_s: float = 0.0      # its weights' trip back, when they just arrived
+    memory_s: float = 0.0              # the drafter's memory moved before the step (an offload and
+                                       # the KV pool grown, or the pool shrunk for a reload)
     prefill_tokens: int = 0            # prompt tokens fed this step (their time is not the arm's)
     forward_tokens: int = 0            # tokens the target's forward took ...
     forward_s: float = 0.0             # ... and its time

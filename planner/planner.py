@@ -189,7 +189,8 @@ class Planner:
         the tokens it committed over all sequences, the sequences it advanced, and the drafter's
         catch-up (the first drafting step after a turn-on: the switch's cost; any other: the
         prompts met while speculating, spread over the mode's steps, :mod:`planner.contexts`)
-        and reload times. With the
+        and reload times, and the time the drafter's memory took to move before it (an offload,
+        a reload's pool shrink: no arm's cost, taken off). With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
         time is estimated (:mod:`planner.step_costs`) and not charged to the arm. A step that
         fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
@@ -211,7 +212,8 @@ class Planner:
         drafting = decision.uses_drafter
         turn_on_s = o.drafter_catchup_s if drafting and self._switch.turning_on else 0.0
         cost = self._loss.measure(
-            ctx, self._batch if self._ctx is not None else o.batch_size, step_wall_s=o.step_wall_s,
+            ctx, self._batch if self._ctx is not None else o.batch_size,
+            step_wall_s=max(o.step_wall_s - o.memory_s, 0.0),
             tokens_committed=o.tokens_committed, turn_on_catchup_s=turn_on_s,
             prompt_catchup_s=o.drafter_catchup_s - turn_on_s if drafting else 0.0,
             drafting_mode=decision.mode if drafting else None,

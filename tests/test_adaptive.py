@@ -1,4 +1,6 @@
 """mode = "auto": the planner switches gamma and mode, and offloads the drafter, losslessly."""
+import time
+
 import pytest
 
 from backend.engine.engine import Engine
@@ -131,6 +133,41 @@ def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts
         assert [c.output_ids for c in burst + trickle] == ar_outputs
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         assert engine.drafter.stats().num_sequences == 0
+    finally:
+        engine.close()
+
+
+def test_the_step_after_an_offload_reports_the_memory_moved(prompts):
+    """The offload (and the KV pool's growth) runs before a step; the planner is told how long it
+    took, so that the step's arm is not charged it (planner/outcome.py's ``memory_s``)."""
+    engine = Engine(EngineConfig(
+        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
+        kv_cache_bytes=30 * block_bytes(),
+        planner={"offload_after_steps": 3, "offload_after_s": 0.0, "kv_pressure": 0.5,
+                 "offload_gain": 0.0, "offload_demand_ratio": 0.0, "reload_after_s": 0.0}))
+    seen = []       # each step's outcome, then what the serving path's cost was told of it
+    real_observe, real_serving = engine.planner.observe, engine.planner.observe_serving
+    engine.planner.observe = lambda issued, o: (seen.append([o, None]), real_observe(issued, o))
+
+    def serving(seconds, responses):
+        seen[-1][1] = seconds       # the last step observed, now complete
+        real_serving(seconds, responses)
+    engine.planner.observe_serving = serving
+    real_offload = engine.memory.offload
+
+    def slow_offload():         # a slower host: the move's time stands out of the steps' noise
+        time.sleep(0.05)
+        real_offload()
+    engine.memory.offload = slow_offload
+    try:
+        engine.generate(prompts[:16], GREEDY)
+        offloads = engine.stats().offloads
+        assert offloads >= 1, "the burst did not offload the drafter"
+        moved = [(o, s) for o, s in seen if o.memory_s > 0]
+        assert len(moved) >= offloads, "an offload's time was not reported"
+        assert all(o.memory_s <= o.step_wall_s for o, _ in moved), "more was reported than the step took"
+        # nor is it the serving path's cost of that step
+        assert all(o.memory_s >= 0.05 and (s is None or s < 0.05) for o, s in moved)
     finally:
         engine.close()
 

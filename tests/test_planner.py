@@ -594,6 +594,21 @@ def test_a_plain_step_run_in_place_of_a_speculative_arm_is_no_sample_of_plain_de
     assert p.bandit.means("b4-7")[AR.arm][0] > before[0]
 
 
+def test_the_drafters_memory_moving_before_a_step_is_not_the_arms_cost():
+    """An offload (the drafter's weights out, the KV pool grown: a copy of the pool) runs
+    before the plain step that follows it and inside its wall time; it is taken off."""
+    p = Planner(PlannerConfig.from_dict({"initial_block": 1}), gamma_max=2, psd_available=False,
+                seed=0)
+    s = LoadSignals(batch_size=4, now=0.0)
+    for _ in range(20):
+        p.decide(s)
+        p.observe(AR, StepOutcome(step_wall_s=0.01, tokens_committed=4, batch_size=4))
+    before = p.bandit.means("b4-7")[AR.arm][0]
+    p.decide(s)
+    p.observe(AR, StepOutcome(step_wall_s=0.31, tokens_committed=4, batch_size=4, memory_s=0.3))
+    assert p.bandit.means("b4-7")[AR.arm][0] == pytest.approx(before)
+
+
 def test_wants_offload_only_after_sustained_ar_under_memory_pressure():
     p = Planner(PlannerConfig(offload_after_steps=50, offload_after_s=0.5), gamma_max=3,
                 psd_available=False, seed=0)

@@ -61,6 +61,7 @@ class AdaptiveController:
         self.signals = EngineSignals(demand_tau_s=planner.config.demand_tau_s)
         self._serving: tuple[float, int] | None = None   # the last step's own work and outputs
         self._issued: Decision = AR    # the planner's decision for the step under way
+        self._memory_s = 0.0           # the drafter's memory moved for the step under way
 
     def record_arrival(self, seq: Sequence) -> None:
         self.signals.record_arrivals(1, time.perf_counter(), max_tokens=seq.params.max_tokens)
@@ -74,6 +75,7 @@ class AdaptiveController:
         signals = self._snapshot()
         decision = self._issued = self.planner.decide(signals)
         mem = self.memory
+        self._memory_s = 0.0
         self._trying_cores = False
         if decision.mode is Mode.NGRAM:
             self._lend_cores()               # n-gram drafts need no drafter model
@@ -88,14 +90,22 @@ class AdaptiveController:
             if self.placement is not None:
                 self.placement.take_back_drafter_cores()
             if self.drafter.offloaded and mem is not None:
-                mem.start_reload()          # decode plainly until the weights are back
+                self._move_memory(mem.start_reload)   # decode plainly until the weights are back
             if not self.drafter.available:
                 return PLAIN
             return StepPlan(decision.mode, decision.gamma)
         if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
-            mem.offload()
+            self._move_memory(mem.offload)
         self._lend_cores(signals.batch_size if self._any_decoding() else None)
         return PLAIN
+
+    def _move_memory(self, move) -> None:
+        """Offload the drafter (the KV pool grows) or start its reload (the pool shrinks back),
+        timed: the step it comes before pays it, and it is that step's arm's cost no more than
+        a switch is (a resize copies the KV pool: at a large pool, many plain steps' time)."""
+        t0 = time.perf_counter()
+        move()
+        self._memory_s += time.perf_counter() - t0
 
     def reload_pending_while_idle(self) -> bool:
         """Are the drafter's weights off the device, to come back while the engine is idle?"""
@@ -167,7 +177,7 @@ class AdaptiveController:
         self.planner.observe(self._issued, StepOutcome(
             step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
             ran=ran if ran != self._issued else None, drafter_catchup_s=catchup_s,
-            drafter_reload_s=reload_s or 0.0,
+            drafter_reload_s=reload_s or 0.0, memory_s=self._memory_s,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,
             forward_cores=step.forward_cores or (self.placement.target_cores_now() if self.placement is not None else 0),
@@ -183,4 +193,5 @@ class AdaptiveController:
         if self._serving is not None and gap > 0:
             own_s, outputs = self._serving
             self.planner.observe_serving(own_s + gap, outputs)
-        self._serving = (step.t_schedule_s + step.t_commit_s, step.num_outputs)
+        # (the drafter's memory moved while scheduling is no serving cost: see _move_memory)
+        self._serving = (max(step.t_schedule_s - self._memory_s, 0.0) + step.t_commit_s, step.num_outputs)
