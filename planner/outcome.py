@@ -3,8 +3,7 @@
 The planner observes the decision it issued together with this outcome. ``ran`` differs from
 the issued decision only where the step could not run it (the drafter still on its way back,
 or no sequence got drafts: plain decoding; batch-parallel SD with nothing overlapped:
-sequential SD); the arm that ran is the one scored, except plain decoding in place of a drafter
-arm, which ran as that arm set the step up (counted as played, not measured). A step in which no sequence decoded (it fed
+sequential SD); the arm that ran is the one scored. A step in which no sequence decoded (it fed
 only prompts) is no arm's sample: nothing could be drafted, and its time is nearly all prefill.
 """
 from __future__ import annotations

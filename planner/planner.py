@@ -183,9 +183,7 @@ class Planner:
     def observe(self, issued: Decision, outcome: StepOutcome) -> None:
         """Feed back one step: the decision this planner issued for it and the step's outcome
         (:class:`~planner.outcome.StepOutcome`): what actually ran (scored in place of the issued
-        decision when it differs, as sequential SD for batch-parallel SD with nothing to overlap;
-        a plain step in place of a drafter arm, e.g. while the drafter was still reloading, is
-        counted as played and not measured: it ran as the drafter arm set the step up), its wall time,
+        decision when it differs, e.g. while the drafter was still reloading), its wall time,
         the tokens it committed over all sequences, the sequences it advanced, and the drafter's
         catch-up (the first drafting step after a turn-on: the switch's cost; any other: the
         prompts met while speculating, spread over the mode's steps, :mod:`planner.contexts`)
@@ -219,26 +217,21 @@ class Planner:
             drafting_mode=decision.mode if drafting else None,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
             forward_cores=o.forward_cores)
-        # A plain step run in place of an issued drafter arm (nothing could be drafted: a
-        # pipeline's first step, the drafter still on its way back, the last token of every
-        # sequence) ran as that arm set the step up (on CPU, the target on its own core): it is
-        # neither plain decoding's cost as it runs nor a turn-off.
-        stand_in = decision.mode is Mode.AR and issued.uses_drafter
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
         # not plain decoding's (SwitchCost.observe_plain).
-        turning_off = decision.mode is Mode.AR and self._drafted_last and not stand_in
-        # Nor is a step on cores the engine is only trying (its lending choice): both are
-        # counted as played, not measured.
-        unlike_plain = decision.mode is Mode.AR and (o.trying_cores or stand_in)
+        turning_off = decision.mode is Mode.AR and self._drafted_last
+        # A step on cores the engine is only trying (its lending choice) is not plain
+        # decoding's cost as it runs.
+        trying = decision.mode is Mode.AR and o.trying_cores
         if cost.loss is not None and decision.arm in self._decisions:
-            if turning_off or unlike_plain:
+            if turning_off or trying:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
-        self._drafted_last = decision.uses_drafter or (stand_in and self._drafted_last)
+        self._drafted_last = decision.uses_drafter
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
-        if decision.mode is Mode.AR and not unlike_plain:
+        if decision.mode is Mode.AR and not trying:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:

@@ -567,33 +567,6 @@ def test_a_step_that_fed_only_prompts_is_no_arms_sample():
         "the forward's cost line did not learn from it"
 
 
-def test_a_plain_step_run_in_place_of_a_speculative_arm_is_no_sample_of_plain_decoding():
-    """Speculation was issued and nothing could be drafted (a pipeline's first step after a
-    turn-on, prompts just admitted): the step ran plain, as the speculative arm set it up (on
-    CPU the target on its own core, the drafter catching up on the other), and took many times
-    a plain step. Scored as plain decoding, such steps made plain decoding look dearest exactly
-    where speculation is turned on (auto at concurrency 64 in `bench levels`, as each wave's
-    requests were admitted); it is counted as played and not measured."""
-    p = Planner(PlannerConfig.from_dict({"initial_block": 1}), gamma_max=2, psd_available=False,
-                seed=0)
-    s = LoadSignals(batch_size=4, now=0.0)
-    for _ in range(20):
-        p.decide(s)
-        p.observe(AR, StepOutcome(step_wall_s=0.01, tokens_committed=4, batch_size=4))
-    before = p.bandit.means("b4-7")[AR.arm]
-    plays = p.bandit.context_stats("b4-7").plays[AR.arm]
-    turn_off_samples = p.stats()["switch_cost"]["turn_off_samples"]
-    p.decide(s)
-    p.observe(Decision("sd", 2), StepOutcome(step_wall_s=0.6, tokens_committed=4, batch_size=4, ran=AR))
-    assert p.bandit.means("b4-7")[AR.arm] == before
-    assert p.bandit.context_stats("b4-7").plays[AR.arm] == plays + 1
-    assert p.stats()["switch_cost"]["turn_off_samples"] == turn_off_samples
-    # plain decoding as it was issued is measured
-    p.decide(s)
-    p.observe(AR, StepOutcome(step_wall_s=0.6, tokens_committed=4, batch_size=4))
-    assert p.bandit.means("b4-7")[AR.arm][0] > before[0]
-
-
 def test_the_drafters_memory_moving_before_a_step_is_not_the_arms_cost():
     """An offload (the drafter's weights out, the KV pool grown: a copy of the pool) runs
     before the plain step that follows it and inside its wall time; it is taken off."""
