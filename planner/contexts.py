@@ -10,15 +10,10 @@ its range (for a callable, the first batch size seen in it).
 reference batch (with a cost profile, by the ratio of predicted AR per-token latencies; else by
 ``(b / b_ref) ** batch_exponent``) so batch-size drift *inside* a bin does not look like a change
 of the arms. The rescaling is common to all arms of a bin, so it does not bias their comparison.
-``step_wall_s`` may include the drafter's catch-up done inside the step (the forward that feeds
-it the tokens it has not seen: ``wall_includes_rebuild=True``, the default). A turn-on's catch-up
-is subtracted, so the arm's loss is its steady-state cost and the catch-up is charged once, as
-the switching cost. The catch-up of prompts that arrive while speculation runs is a cost of
-speculating, but it lands on whichever gamma runs the step a new request first drafts in (a
-prompt's catch-up is several of the arm's steps at batch 1): it is subtracted too and spread over
-the tokens of every step of the same drafting mode in the bin (:class:`CatchUpShare`), so each
-of the mode's arms pays it at the same rate a token, and the mode as a whole pays what it cost.
-The prefill's share of the target forward, priced at the cheapest placement's rate
+``step_wall_s`` may include the drafter's catch-up done inside the step
+(``wall_includes_rebuild=True``, the default: it is subtracted, so the arm's loss is its
+steady-state cost and the catch-up is charged once, as the switching cost), and the prefill's
+share of the target forward, priced at the cheapest placement's rate
 (:class:`~planner.step_costs.ForwardCost`), is taken off: an arm whose forward runs on fewer
 cores keeps the extra its prefill costs there.
 Each step is weighted by its tokens over the bin's usual tokens per step, so an arm's mean is its
@@ -112,33 +107,8 @@ class ContextBins:
         return (b / ref) ** self._exponent
 
 
-class CatchUpShare:
-    """The drafter's catch-up of prompts met while speculating, per (context, drafting mode): its
-    seconds and the tokens committed by the mode's steps, both discounted by `forget` a step.
-    Every step of the mode is charged its tokens' share (seconds over tokens, as of this step):
-    over the mode's steps the charges add up to the catch-ups (forgetting aside), however they
-    fell among its gammas."""
-
-    def __init__(self, forget: float = 0.995):
-        self.forget = float(forget)
-        self._sums: dict[Hashable, list[float]] = {}
-
-    def charge(self, key: Hashable, catchup_s: float, tokens: int) -> float:
-        """Seconds to charge a step of `key` that committed `tokens` and whose own catch-up
-        (already taken off its wall time) took `catchup_s`."""
-        sums = self._sums.setdefault(key, [0.0, 0.0])
-        sums[0] = self.forget * sums[0] + max(float(catchup_s), 0.0)
-        sums[1] = self.forget * sums[1] + float(tokens)
-        return sums[0] / sums[1] * tokens if sums[1] > 0 else 0.0
-
-    def seconds_per_token(self, key: Hashable) -> float | None:
-        sums = self._sums.get(key)
-        return sums[0] / sums[1] if sums is not None and sums[1] > 0 else None
-
-
 class StepCost(NamedTuple):
-    wall_s: float           # the step's wall time, less the turn-on's catch-up and the prefill's
-                            # share, with its share of the prompts' catch-ups
+    wall_s: float           # the step's wall time, less the catch-up and the prefill's share
     tokens: int             # tokens committed (at least 1)
     loss: float | None      # rescaled per-token latency (None: no usable wall time)
     weight: float           # the step's weight in the arm's mean
@@ -151,7 +121,6 @@ class StepLoss:
         self.bins = bins
         self.forward_cost = forward_cost
         self.wall_includes_rebuild = wall_includes_rebuild
-        self.catchups = CatchUpShare()
         self._tokens_per_step: dict[Context, float] = {}
 
     def tokens_per_step(self, ctx: Context) -> float | None:
@@ -159,22 +128,14 @@ class StepLoss:
         return self._tokens_per_step.get(ctx)
 
     def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: int,
-                turn_on_catchup_s: float, prefill_tokens: int, forward_tokens: int,
-                forward_s: float, forward_cores: int = 0, prompt_catchup_s: float = 0.0,
-                drafting_mode: Hashable | None = None) -> StepCost:
-        """`turn_on_catchup_s`: a turn-on's catch-up in this step (taken off); `prompt_catchup_s`:
-        the catch-up of prompts met while speculating (taken off, and the step of `drafting_mode`,
-        None for a step without the drafter, charged its share of all of them instead)."""
+                drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
+                forward_s: float, forward_cores: int = 0) -> StepCost:
         tokens = max(int(tokens_committed), 1)
         tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), float(tokens), 0.1)
         wall = float(step_wall_s)
         self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
-        if self.wall_includes_rebuild:
-            caught_up = max(turn_on_catchup_s, 0.0) + max(prompt_catchup_s, 0.0)
-            share = (self.catchups.charge((ctx, drafting_mode), prompt_catchup_s, tokens)
-                     if drafting_mode is not None else 0.0)
-            if caught_up > 0 or share > 0:
-                wall = max(wall - caught_up, 0.05 * wall) + share
+        if self.wall_includes_rebuild and drafter_rebuild_s > 0:
+            wall = max(wall - drafter_rebuild_s, 0.05 * wall)
         if prefill_tokens > 0:
             wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
         loss = None

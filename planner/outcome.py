@@ -19,9 +19,7 @@ class StepOutcome:
     tokens_committed: int              # over all sequences
     batch_size: int                    # sequences the step advanced
     ran: Decision | None = None        # what actually ran; None: the issued decision
-    # the drafter's catch-up forward in a step that drafted (tokens and prompts it had not seen):
-    # after a turn-on the switch's cost, else a cost of speculating on new prompts
-    drafter_catchup_s: float = 0.0
+    drafter_rebuild_s: float = 0.0     # the drafter's catch-up, when speculation resumed
     drafter_reload_s: float = 0.0      # its weights' trip back, when they just arrived
     memory_s: float = 0.0              # the drafter's memory moved before the step (an offload and
                                        # the KV pool grown, or the pool shrunk for a reload)

@@ -15,7 +15,7 @@ and called around every step (snapshot -> decide -> apply -> observe)::
     if not d.speculative and planner.wants_offload(signals): ...   # drafter weights to host
     planner.observe(d, StepOutcome(step_wall_s=..., tokens_committed=..., batch_size=...,
                                    ran=...,  # only where the step could not run d
-                                   drafter_catchup_s=..., drafter_reload_s=...))
+                                   drafter_rebuild_s=..., drafter_reload_s=...))
     planner.observe_serving(seconds, responses)   # a step's cost outside its forwards
 
 Reports: :meth:`summary` (counters, small enough for a log line), :meth:`stats` (plus per-context
@@ -185,10 +185,9 @@ class Planner:
         (:class:`~planner.outcome.StepOutcome`): what actually ran (scored in place of the issued
         decision when it differs, e.g. while the drafter was still reloading), its wall time,
         the tokens it committed over all sequences, the sequences it advanced, and the drafter's
-        catch-up (the first drafting step after a turn-on: the switch's cost; any other: the
-        prompts met while speculating, spread over the mode's steps, :mod:`planner.contexts`)
-        and reload times, and the time the drafter's memory took to move before it (an offload,
-        a reload's pool shrink: no arm's cost, taken off). With the
+        catch-up / reload times when speculation resumed after a gamma = 0 period, and the time
+        the drafter's memory took to move before it (an offload, a reload's pool shrink: no
+        arm's cost, taken off). With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
         time is estimated (:mod:`planner.step_costs`) and not charged to the arm. A step that
         fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
@@ -207,14 +206,10 @@ class Planner:
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
             ctx = self.bins.context(LoadSignals(batch_size=o.batch_size))
-        drafting = decision.uses_drafter
-        turn_on_s = o.drafter_catchup_s if drafting and self._switch.turning_on else 0.0
         cost = self._loss.measure(
             ctx, self._batch if self._ctx is not None else o.batch_size,
             step_wall_s=max(o.step_wall_s - o.memory_s, 0.0),
-            tokens_committed=o.tokens_committed, turn_on_catchup_s=turn_on_s,
-            prompt_catchup_s=o.drafter_catchup_s - turn_on_s if drafting else 0.0,
-            drafting_mode=decision.mode if drafting else None,
+            tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
             forward_cores=o.forward_cores)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
@@ -237,7 +232,7 @@ class Planner:
         elif decision.uses_drafter:
             if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)
-            self._switch.observe_on(turn_on_s)
+            self._switch.observe_on(o.drafter_rebuild_s)
 
     def _context_moved(self, what: str) -> None:
         """The pruner saw the acceptance (or the demand) move: what the bandit measured of the
@@ -383,10 +378,6 @@ class Planner:
                 "shifts": cs.shifts,
                 "plays": {arm_str(a): n for a, n in cs.plays.items()},
                 "mean_loss": {arm_str(a): m for a, (m, _) in cs.means.items()},
-                # what the prompts met while speculating cost the drafter a committed token
-                "prompt_catchup_s_per_token": {
-                    m.value: r for m in (Mode.SD, Mode.PSD)
-                    if (r := self._loss.catchups.seconds_per_token((ctx, m))) is not None},
             }
         return self.summary() | {"shifts": b.shifts, "stale_resets": b.stale_resets,
                                  "per_context": per, "timeline": self.timeline()}

@@ -1,10 +1,9 @@
 """What turning the drafter back on costs, measured.
 
-When the planner turns the drafter back on after a gamma = 0 period, the catch-up forward of the
-first step that drafts (``StepOutcome.drafter_catchup_s``) is the turn-on's rebuild and, if its
-weights had been offloaded, the engine reports their reload time (``drafter_reload_s``).
-:class:`SwitchCost` keeps running averages (weight ``cost_ewma``) of the rebuild time per token
-the drafter missed and of the reload time, and prices a turn-on now as
+When the drafter comes back after a gamma = 0 period the engine reports the catch-up prefill
+time (``drafter_rebuild_s``) and, if its weights had been offloaded, the reload time
+(``drafter_reload_s``). :class:`SwitchCost` keeps running averages (weight ``cost_ewma``) of the
+rebuild time per token the drafter missed and of the reload time, and prices a turn-on now as
 ``rebuild_per_token * lag + reload_weight * reload (if offloaded)`` seconds. The lag is
 ``LoadSignals.drafter_lag_tokens`` when the engine reports it, else the tokens committed while
 the drafter was off, at most ``batch x lag_cap_steps`` (sequences that finished meanwhile need
@@ -67,11 +66,6 @@ class SwitchCost:
     def turned_on(self) -> None:
         """Speculation was chosen after plain decoding: the lag its catch-up will be for."""
         self._lag_at_turn_on = self.lag_tokens()
-
-    @property
-    def turning_on(self) -> bool:
-        """A turn-on was chosen and its first drafts (its catch-up) are not yet observed."""
-        return self._lag_at_turn_on is not None
 
     def observe_off(self, tokens_committed: int) -> None:
         """A plain-decoding step: the drafter falls behind by the tokens it committed."""

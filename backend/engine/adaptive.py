@@ -59,6 +59,7 @@ class AdaptiveController:
         self.batch_limit = batch_limit
         self.extra_signals = extra_signals
         self.signals = EngineSignals(demand_tau_s=planner.config.demand_tau_s)
+        self._drafter_paused = False   # the last step drafted nothing: the next drafts catch up
         self._serving: tuple[float, int] | None = None   # the last step's own work and outputs
         self._issued: Decision = AR    # the planner's decision for the step under way
         self._memory_s = 0.0           # the drafter's memory moved for the step under way
@@ -165,10 +166,16 @@ class AdaptiveController:
         step's result."""
         self._observe_serving(step)
         self._observe_lending(step)
-        # The drafter model's catch-up forward, whatever it caught up on (what it missed while
-        # plain decoding ran, new prompts): the planner tells a turn-on's from a new prompt's.
-        catchup_s = (self.drafter.stats().last_catchup_s
-                     if step.drafted and step.mode.uses_drafter else 0.0)
+        rebuild_s = 0.0
+        if step.drafted and step.mode.uses_drafter:
+            if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
+                rebuild_s = self.drafter.stats().last_catchup_s
+            self._drafter_paused = False
+        elif step.decoded:
+            self._drafter_paused = True    # sequences decoded without it: it falls behind
+        # (A step that fed only prompts neither pauses the drafter nor resumes it: whatever
+        # runs next, the drafter takes those prompts when it first drafts them, a cost of
+        # speculating on them, not of switching to it.)
         # What actually ran, where it is not what was issued: no drafts verified (the drafter on
         # its way back, or nothing proposed) is plain decoding.
         ran = Decision(step.mode, plan.gamma) if step.drafted else AR
@@ -176,7 +183,7 @@ class AdaptiveController:
                              if self.ngram_shadow is not None else (0, 0))
         self.planner.observe(self._issued, StepOutcome(
             step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
-            ran=ran if ran != self._issued else None, drafter_catchup_s=catchup_s,
+            ran=ran if ran != self._issued else None, drafter_rebuild_s=rebuild_s,
             drafter_reload_s=reload_s or 0.0, memory_s=self._memory_s,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,

@@ -97,7 +97,7 @@ class ServerSim:
             self.off_steps += 1
         wall += rebuild
         self.p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=responses,
-                                      drafter_catchup_s=rebuild))
+                                      drafter_rebuild_s=rebuild))
         if self.report_serving:
             outside = c.outside(responses) * max(1.0 + self.noise * self.rng.standard_normal(), 0.2)
             self.p.observe_serving(outside, responses)
