@@ -14,15 +14,19 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PROMPT_CUTS = (24, 20, 29, 250)      # the conftest's `prompts` and `ar_outputs`
 
 
-def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outputs):
-    # A tight pool and an eager offload policy (offload on sustained pressure alone, reload as
-    # soon as the load fits), so that the run offloads under load (many requests at once) and
-    # reloads when the load drops (one request at a time).
-    engine = Engine(EngineConfig(
+def eager_offload_engine() -> Engine:
+    """A tight pool and an eager offload policy (offload on sustained pressure alone, reload as
+    soon as the load fits): a run offloads under load (many requests at once) and reloads when
+    the load drops (one request at a time)."""
+    return Engine(EngineConfig(
         target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
         kv_cache_bytes=30 * block_bytes(),
         planner={"offload_after_steps": 3, "offload_after_s": 0.0, "kv_pressure": 0.5,
                  "offload_gain": 0.0, "offload_demand_ratio": 0.0, "reload_after_s": 0.0}))
+
+
+def test_auto_is_lossless_through_switches_offloads_and_reloads(prompts, ar_outputs):
+    engine = eager_offload_engine()
     try:
         burst = engine.generate(prompts[:16], GREEDY)                         # high load
         trickle = engine.generate(prompts[16:], GREEDY, max_concurrency=1)    # low load
@@ -140,11 +144,7 @@ def test_auto_lends_the_drafter_memory_under_pressure_then_takes_it_back(prompts
 def test_the_step_after_an_offload_reports_the_memory_moved(prompts):
     """The offload (and the KV pool's growth) runs before a step; the planner is told how long it
     took, so that the step's arm is not charged it (planner/outcome.py's ``memory_s``)."""
-    engine = Engine(EngineConfig(
-        target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto", gamma_max=4,
-        kv_cache_bytes=30 * block_bytes(),
-        planner={"offload_after_steps": 3, "offload_after_s": 0.0, "kv_pressure": 0.5,
-                 "offload_gain": 0.0, "offload_demand_ratio": 0.0, "reload_after_s": 0.0}))
+    engine = eager_offload_engine()
     seen = []       # each step's outcome, then what the serving path's cost was told of it
     real_observe, real_serving = engine.planner.observe, engine.planner.observe_serving
     engine.planner.observe = lambda issued, o: (seen.append([o, None]), real_observe(issued, o))
