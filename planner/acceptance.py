@@ -1,9 +1,11 @@
 """The drafter's acceptance as the planner measures it, and the cost model's prior for the bandit.
 
-* :class:`AcceptanceEstimate` — an EWMA, per gamma, of the tokens a sequential SD step commits per
-  sequence; inverting ``E(alpha, gamma)`` (:func:`~planner.cost_model.expected_tokens_per_call`)
-  gives the per-position acceptance alpha, averaged over the gammas seen (``alpha_prior`` until
-  an SD step is seen; recomputed every 8 SD observations: the cost model's prior follows it).
+* :class:`AcceptanceEstimate` — an EWMA, per gamma, of the tokens a speculative step (SD, or PSD
+  after a step of the same arm) commits per sequence, starting from the prior's, which weighs
+  ``prior_sequences`` sequences; inverting ``E(alpha, gamma)``
+  (:func:`~planner.cost_model.expected_tokens_per_call`) gives the per-position acceptance
+  alpha, averaged over the gammas seen (``alpha_prior`` until a speculative step is seen;
+  recomputed every 8 of them: the cost model's prior follows it).
 * :class:`MatchRate` — the n-gram drafts' per-position acceptance, from what they would have
   matched on every step (the engine's shadow lookup), discounted so that it follows the text.
 * :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted
@@ -19,30 +21,45 @@ from typing import Callable, Hashable
 
 from backend.mode import Mode
 from planner.contexts import ContextBins
-from planner.cost_model import CostProfile, StepOverhead, alpha_for_tokens_per_call, predict
+from planner.cost_model import (CostProfile, StepOverhead, alpha_for_tokens_per_call,
+                                 expected_tokens_per_call, predict)
 from planner.step_costs import ewma
 
 
 class AcceptanceEstimate:
-    def __init__(self, alpha_prior: float = 0.6):
+    """`prior_sequences`: the weight of ``alpha_prior`` in each gamma's estimate, in sequences
+    advanced, so that a few unlucky drafts at batch 1 (every first draft rejected) do not set
+    the acceptance near 0, where the prior then ranks every drafter arm last and speculation,
+    the only thing that measures it, is never tried again; one step of a large batch outweighs
+    it."""
+
+    def __init__(self, alpha_prior: float = 0.6, prior_sequences: float = 8.0):
         self.alpha_prior = alpha_prior
-        self._e_hat: dict[int, float] = {}      # tokens per sequence per SD step, per gamma
+        self.prior_sequences = prior_sequences
+        self._e_hat: dict[int, float] = {}      # tokens per sequence per step, per gamma
+        self._seen: dict[int, float] = {}       # sequences advanced at each gamma
         self._alpha_of: dict[int, float] = {}   # its inversion, per gamma (dropped when it moves)
         self._cache: tuple[float, int] = (alpha_prior, -1)
-        self.sd_obs = 0
+        self.steps = 0
 
-    def observe_sd(self, gamma: int, tokens_committed: int, batch_size: int) -> None:
-        """One sequential SD step with `gamma` that advanced `batch_size` sequences."""
-        self._e_hat[gamma] = ewma(self._e_hat.get(gamma), tokens_committed / batch_size, 0.05)
+    def observe_step(self, gamma: int, tokens_committed: int, batch_size: int) -> None:
+        """One speculative step that verified drafts of `gamma` tokens and advanced
+        `batch_size` sequences."""
+        seen = self._seen.get(gamma, 0.0) + batch_size
+        self._seen[gamma] = seen
+        # the prior's weight, then the data's, until the EWMA's own rate takes over
+        rate = max(batch_size / (self.prior_sequences + seen), 0.05)
+        old = self._e_hat.get(gamma, expected_tokens_per_call(self.alpha_prior, gamma))
+        self._e_hat[gamma] = ewma(old, tokens_committed / batch_size, rate)
         self._alpha_of.pop(gamma, None)
-        self.sd_obs += 1
+        self.steps += 1
 
     def alpha(self) -> float:
         alpha, at = self._cache
-        if at >= 0 and self.sd_obs - at < 8:
+        if at >= 0 and self.steps - at < 8:
             return alpha
         alpha = self._alpha_uncached()
-        self._cache = (alpha, self.sd_obs)
+        self._cache = (alpha, self.steps)
         return alpha
 
     def _alpha_uncached(self) -> float:

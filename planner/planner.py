@@ -102,6 +102,7 @@ class Planner:
         self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
         self._turn_on: tuple[int, float] = (-1, 0.0)   # (step, a turn-on's cost in loss units)
         self._drafted_last = False    # the last step that decoded used the drafter
+        self._ran_last: Decision | None = None   # ... and what it ran
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)
@@ -223,15 +224,20 @@ class Planner:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
-        self._drafted_last = decision.uses_drafter
+        psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
+        self._drafted_last, self._ran_last = decision.uses_drafter, decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR and not trying:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:
-            if decision.mode is Mode.SD and o.batch_size > 0 and o.tokens_committed > 0:
-                self._acceptance.observe_sd(decision.gamma, o.tokens_committed, o.batch_size)
+            # A PSD step verifies what was drafted for its sub-batch the step before: at this
+            # gamma only if that step ran the same arm. Counting PSD keeps the acceptance (and
+            # the pruner's guard on it) measured while the planner plays PSD alone.
+            measures = decision.mode is Mode.SD or psd_drafted_here
+            if measures and o.batch_size > 0 and o.tokens_committed > 0:
+                self._acceptance.observe_step(decision.gamma, o.tokens_committed, o.batch_size)
             self._switch.observe_on(o.drafter_rebuild_s)
 
     def _context_moved(self, what: str) -> None:
@@ -284,7 +290,7 @@ class Planner:
     # ------------------------------------------------------------------ estimates
 
     def alpha_estimate(self) -> float:
-        """Per-position acceptance, inverted from tokens committed per sequence in SD steps."""
+        """Per-position acceptance, inverted from tokens committed per sequence in speculative steps."""
         return self._acceptance.alpha()
 
     def lag_tokens(self) -> int:

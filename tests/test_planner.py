@@ -308,6 +308,35 @@ def test_the_bandit_reads_the_prior_again_only_when_its_inputs_change():
     assert played[True] == played[False]
 
 
+def test_a_few_rejected_drafts_at_batch_1_leave_the_acceptance_near_its_prior():
+    """At batch 1 one step is one sequence's luck: four steps whose first drafts were all
+    rejected do not set the acceptance near 0 (the prior weighs 8 sequences), where the prior
+    would rank every drafter arm last; one step of 64 sequences outweighs the prior."""
+    from planner.acceptance import AcceptanceEstimate
+    unlucky = AcceptanceEstimate(0.6)
+    for _ in range(4):
+        unlucky.observe_step(2, 1, 1)
+    assert 0.3 < unlucky.alpha() < 0.6
+    large = AcceptanceEstimate(0.6)
+    large.observe_step(2, round(64 * expected_tokens_per_call(0.9, 2)), 64)
+    assert large.alpha() > 0.85
+
+
+def test_psd_steps_measure_the_acceptance_when_their_drafts_were_made_at_their_gamma():
+    """A PSD step verifies drafts made the step before: consecutive steps of one PSD arm measure
+    the acceptance (so that it, and the pruner's guard on it, follow the text while the planner
+    plays PSD alone); a PSD step after another arm does not (its drafts had another gamma)."""
+    def run(arms):
+        p = Planner(gamma_max=4, psd_available=True, seed=0)
+        for k in range(24):
+            d = Decision(*arms[k % len(arms)])
+            tokens = round(8 * expected_tokens_per_call(0.95, d.gamma))
+            p.observe(d, StepOutcome(step_wall_s=0.01, tokens_committed=tokens, batch_size=8))
+        return p.alpha_estimate()
+    assert run([("psd", 3)]) > 0.85
+    assert run([("psd", 2), ("psd", 3)]) == pytest.approx(0.6)
+
+
 def test_the_acceptance_is_inverted_again_only_for_the_gamma_that_moved(monkeypatch):
     import planner.acceptance as acceptance
     inverted = []
@@ -317,11 +346,11 @@ def test_the_acceptance_is_inverted_again_only_for_the_gamma_that_moved(monkeypa
     est = acceptance.AcceptanceEstimate(0.6)
     for g in (2, 4):
         for _ in range(8):
-            est.observe_sd(g, 3 * expected_tokens_per_call(0.7, g), 3)
+            est.observe_step(g, 3 * expected_tokens_per_call(0.7, g), 3)
     est.alpha()
     assert sorted(inverted) == [2, 4]
     for _ in range(8):
-        est.observe_sd(4, 3 * expected_tokens_per_call(0.5, 4), 3)
+        est.observe_step(4, 3 * expected_tokens_per_call(0.5, 4), 3)
     inverted.clear()
     alpha = est.alpha()
     assert inverted == [4]
