@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""`nightdraft bench levels` with mode auto's planner logged step by step: for every step it
+observes, what was issued and what ran, the batch, the tokens committed, the wall time, the
+prompt tokens fed, the drafter's catch-up, the acceptance estimate, and the bandit's view of
+the step's bin (each arm's estimated mean loss in ms a token, its evidence, and the noise its
+confidence bound uses), in the arms' order (`arms`).
+
+    .venv/bin/python scripts/planner_log_levels.py --log PATH [bench levels arguments]
+
+e.g. ``--log /tmp/c1.json --configs auto --paths in-process --concurrency 1 --repeats 1``. The
+log covers the engine's whole life (the warm-ups included), in order; ``per_context`` is the
+planner's own summary at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import client.bench_compare as bench_compare  # noqa: E402
+import client.bench_levels as bench_levels    # noqa: E402
+
+
+def logged(planner, log: list) -> None:
+    """Wrap `planner.observe` so that every step appends its entry to `log`."""
+    observe, bandit = planner.observe, planner.bandit
+
+    def observe_and_log(issued, o):
+        observe(issued, o)
+        entry = {"issued": str(issued), "ran": str(o.ran) if o.ran is not None else None,
+                 "batch": o.batch_size, "tokens": o.tokens_committed, "wall_ms": o.step_wall_s * 1e3,
+                 "prefill_tokens": o.prefill_tokens, "catchup_ms": o.drafter_rebuild_s * 1e3,
+                 "decoded": o.decoded, "alpha": planner.alpha_estimate()}
+        ctx = planner._ctx                    # the bin of the step's decision
+        if ctx in bandit._bins:
+            means, counts, sigma, _ = bandit._estimates(ctx, bandit._bins[ctx])
+            sigmas = sigma if isinstance(sigma, list) else [sigma] * len(means)
+            entry.update(bin=str(ctx), mean_ms=[round(m * 1e3, 3) for m in means],
+                         evidence=[round(c, 1) for c in counts],
+                         noise_ms=[round(s * 1e3, 3) for s in sigmas])
+        log.append(entry)
+
+    planner.observe = observe_and_log
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--log", required=True)
+    args, rest = ap.parse_known_args()
+    logs: dict[str, list] = {}
+    build = bench_compare.build_engines
+
+    def build_logged(bench_args, names):
+        engines = build(bench_args, names)
+        for name, (engine, _) in engines.items():
+            if engine.planner is None:
+                continue
+            log = logs[name] = []
+            logged(engine.planner, log)
+            close = engine.close
+
+            def close_and_write(close=close, engine=engine, name=name, log=log):
+                Path(args.log).write_text(json.dumps({
+                    "config": name, "arms": [str(a) for a in engine.planner.arms],
+                    "per_context": engine.planner.stats()["per_context"], "log": log},
+                    default=str) + "\n")
+                close()
+            engine.close = close_and_write
+        return engines
+
+    bench_levels.build_engines = build_logged
+    from client.cli import main as cli
+    return cli(["bench", "levels", *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
