@@ -28,10 +28,10 @@ from planner.step_costs import ewma
 
 class AcceptanceEstimate:
     """`prior_sequences`: the weight of ``alpha_prior`` in each gamma's estimate, in sequences
-    advanced, so that a few unlucky drafts at batch 1 (every first draft rejected) do not set
-    the acceptance near 0, where the prior then ranks every drafter arm last and speculation,
-    the only thing that measures it, is never tried again; one step of a large batch outweighs
-    it."""
+    advanced, so that one step at batch 1 (one sequence's luck) does not set a gamma's estimate:
+    a low acceptance makes the prior rank the long gammas below the short ones (near 0, every
+    drafter arm last), and only speculation at those gammas measures it again. One step of a
+    large batch outweighs it."""
 
     def __init__(self, alpha_prior: float = 0.6, prior_sequences: float = 8.0):
         self.alpha_prior = alpha_prior
