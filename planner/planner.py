@@ -101,8 +101,7 @@ class Planner:
                                        prior_inputs=self._prior.inputs if self._prior else None)
         self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
         self._turn_on: tuple[int, float] = (-1, 0.0)   # (step, a turn-on's cost in loss units)
-        self._drafted_last = False    # the last step that decoded used the drafter
-        self._ran_last: Decision | None = None   # ... and what it ran
+        self._ran_last: Decision | None = None   # what the last step that decoded ran (None: idle since)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)
@@ -141,7 +140,7 @@ class Planner:
         else:
             d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
         if signals.batch_size == 0:
-            self._drafted_last = False      # nothing was drafting: no turn-off to price
+            self._ran_last = None           # nothing was drafting: no turn-off to price
         prev = self._current
         if prev is None or d.speculative != prev.speculative:
             self._mode_changed(prev, d, now)
@@ -215,7 +214,8 @@ class Planner:
             forward_cores=o.forward_cores)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
         # not plain decoding's (SwitchCost.observe_plain).
-        turning_off = decision.mode is Mode.AR and self._drafted_last
+        turning_off = (decision.mode is Mode.AR and self._ran_last is not None
+                       and self._ran_last.uses_drafter)
         # A step on cores the engine is only trying (its lending choice) is not plain
         # decoding's cost as it runs.
         trying = decision.mode is Mode.AR and o.trying_cores
@@ -225,7 +225,7 @@ class Planner:
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
-        self._drafted_last, self._ran_last = decision.uses_drafter, decision
+        self._ran_last = decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR and not trying:
