@@ -219,23 +219,14 @@ class Planner:
         # not plain decoding's (SwitchCost.observe_plain).
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None
                        and self._ran_last.uses_drafter)
-        # The first drafting step after plain decoding (its catch-up reported) carries the
-        # turn-on beyond that catch-up: the switch's cost too (SwitchCost.observe_on).
-        turning_on = decision.uses_drafter and o.drafter_rebuild_s > 0
         # A step on cores the engine is only trying (its lending choice) is not plain
         # decoding's cost as it runs.
         trying = decision.mode is Mode.AR and o.trying_cores
-        turn_on_extra_s = None
         if cost.loss is not None and decision.arm in self._decisions:
-            if turning_off or turning_on or trying:
+            if turning_off or trying:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
-            if turning_on:
-                estimate = self.bandit.means(ctx).get(decision.arm)
-                if estimate is not None:
-                    norm = self.bins.norm(ctx, self._batch if self._ctx is not None else o.batch_size)
-                    turn_on_extra_s = (cost.loss - estimate[0]) * cost.tokens / norm
         psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
         self._ran_last = decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
@@ -250,7 +241,7 @@ class Planner:
             measures = decision.mode is Mode.SD or psd_drafted_here
             if measures and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_step(decision.gamma, o.tokens_committed, o.batch_size)
-            self._switch.observe_on(o.drafter_rebuild_s, turn_on_extra_s)
+            self._switch.observe_on(o.drafter_rebuild_s)
 
     def _context_moved(self, what: str) -> None:
         """The pruner saw the acceptance (or the demand) move: what the bandit measured of the

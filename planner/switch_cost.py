@@ -12,13 +12,6 @@ rebuild estimate is the configured ``rebuild_s_per_token``, else the cost profil
 time per token at its largest measured batch (an upper bound of a prefill's per-token cost),
 else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
 
-The turn-on step itself costs more than its catch-up: at concurrency 1 under `bench levels`
-(the drafter in its worker), a median 3 ms (quartiles 0.3-5.5) more than its arm's other steps
-at the same batch, the catch-up forward's own time taken off, on steps of 7-9 ms (the
-planner's per-step logs). That one-off would rank the gamma that happened to turn on, so the
-planner scores no arm with that step; :meth:`SwitchCost.observe_on` measures its extra against
-the arm's estimated cost and adds it (an EWMA, at the same weight) to every turn-on's price.
-
 Turning the drafter off costs too: the first plain step after a drafting one runs slower than
 the plain steps after it (the drafter's cores change hands, a pipelined draft is let go; on the
 2-core CPU host at batch 8, about +9 ms after PSD on a 6 ms step: ``scripts/turn_off_cost.py``).
@@ -55,8 +48,6 @@ class SwitchCost:
         self.turn_off_s: float | None = None    # the first plain step's extra after drafting
         self.turn_off_samples = 0
         self._plain_s_per_token: float | None = None   # the other plain steps, a token
-        self.turn_on_extra_s: float | None = None   # the turn-on step's extra over its arm's cost
-        self.turn_on_extra_samples = 0
 
     def lag_tokens(self) -> int:
         """Tokens the drafter would have to catch up on if turned on now."""
@@ -66,9 +57,8 @@ class SwitchCost:
         return int(min(self._lag_tokens, per_step * min(self._off_steps, self._cfg.lag_cap_steps)))
 
     def estimate_s(self, offloaded: bool) -> float:
-        """Seconds a drafter turn-on would cost now (catch-up + the turn-on step's extra +
-        reload if offloaded)."""
-        c = (self.rebuild_s_per_token or 0.0) * self.lag_tokens() + max(self.turn_on_extra_s or 0.0, 0.0)
+        """Seconds a drafter turn-on would cost now (catch-up + reload if offloaded)."""
+        c = (self.rebuild_s_per_token or 0.0) * self.lag_tokens()
         if offloaded:
             c += self._cfg.reload_weight * (self.reload_s or 0.0)
         return c
@@ -94,13 +84,8 @@ class SwitchCost:
             self.turn_off_s = ewma(self.turn_off_s, extra, self._cfg.cost_ewma)
             self.turn_off_samples += 1
 
-    def observe_on(self, rebuild_s: float, extra_s: float | None = None) -> None:
-        """A speculative step, with the catch-up it began with (0: none) and, for the turn-on
-        step, its time beyond the catch-up and its arm's estimated cost (None: not known)."""
-        if extra_s is not None:
-            # unclipped: noise averages out, and only a positive mean is charged
-            self.turn_on_extra_s = ewma(self.turn_on_extra_s, extra_s, self._cfg.cost_ewma)
-            self.turn_on_extra_samples += 1
+    def observe_on(self, rebuild_s: float) -> None:
+        """A speculative step, with the catch-up it began with (0: none)."""
         if rebuild_s > 0:
             lag = self._lag_at_turn_on if self._lag_at_turn_on is not None else self.lag_tokens()
             if lag and lag > 0:
@@ -122,5 +107,4 @@ class SwitchCost:
                 "rebuild_samples": self.rebuild_samples, "reload_samples": self.reload_samples,
                 "lag_tokens": self.lag_tokens(), "turn_on_cost_s_now": self.estimate_s(offloaded),
                 "turn_off_s": self.turn_off_s, "turn_off_samples": self.turn_off_samples,
-                "turn_on_extra_s": self.turn_on_extra_s, "turn_on_extra_samples": self.turn_on_extra_samples,
                 "drafter_offloaded": offloaded}
