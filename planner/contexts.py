@@ -16,12 +16,6 @@ steady-state cost and the catch-up is charged once, as the switching cost), and 
 share of the target forward, priced at the cheapest placement's rate
 (:class:`~planner.step_costs.ForwardCost`), is taken off: an arm whose forward runs on fewer
 cores keeps the extra its prefill costs there.
-The drafter's forward on new requests' prompts, in a step that drafts in line (sequential SD), is
-not the step's either: which gamma runs when a request arrives is chance, and the prompt (a
-forward of a hundred tokens or more, twice a step's time at batch 1) would land on that one
-sample. It is taken off the step and spread over the bin's in-line drafting steps by their
-tokens (decayed sums of the seconds and the tokens), so every drafter arm of the bin pays the
-same per-token share: the arms' total is unchanged, and one arrival no longer ranks a gamma.
 Each step is weighted by its tokens over the bin's usual tokens per step, so an arm's mean is its
 total time over its total tokens.
 """
@@ -120,22 +114,6 @@ class StepCost(NamedTuple):
     weight: float           # the step's weight in the arm's mean
 
 
-class PromptShare:
-    """The drafter's prompt time per token of a bin's in-line drafting steps: decayed sums of the
-    seconds taken off those steps and of the tokens they committed."""
-
-    def __init__(self, forget: float = 0.99):
-        self.forget = forget
-        self._sums: dict[Context, tuple[float, float]] = {}
-
-    def add(self, ctx: Context, seconds: float, tokens: int) -> float:
-        """Count one step; the bin's seconds per token, this step included."""
-        s, t = self._sums.get(ctx, (0.0, 0.0))
-        s, t = self.forget * s + seconds, self.forget * t + tokens
-        self._sums[ctx] = (s, t)
-        return s / t if t > 0 else 0.0
-
-
 class StepLoss:
     """Turns what the engine reports of one step into the bandit's loss (see the module)."""
 
@@ -144,7 +122,6 @@ class StepLoss:
         self.forward_cost = forward_cost
         self.wall_includes_rebuild = wall_includes_rebuild
         self._tokens_per_step: dict[Context, float] = {}
-        self.prompt_share = PromptShare()
 
     def tokens_per_step(self, ctx: Context) -> float | None:
         """The usual tokens a step of this context commits (an EWMA), None before the first."""
@@ -152,10 +129,7 @@ class StepLoss:
 
     def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: int,
                 drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
-                forward_s: float, forward_cores: int = 0, drafts_in_line: bool = False,
-                drafter_prompt_s: float = 0.0) -> StepCost:
-        """`drafts_in_line`: the step drafted in line (sequential SD), `drafter_prompt_s` of it
-        on new requests' prompts (spread over the bin's such steps, see the module)."""
+                forward_s: float, forward_cores: int = 0) -> StepCost:
         tokens = max(int(tokens_committed), 1)
         tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), float(tokens), 0.1)
         wall = float(step_wall_s)
@@ -164,9 +138,6 @@ class StepLoss:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
         if prefill_tokens > 0:
             wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
-        if drafts_in_line:
-            taken = min(max(drafter_prompt_s, 0.0), 0.9 * wall)
-            wall += tokens * self.prompt_share.add(ctx, taken, tokens) - taken
         loss = None
         if wall > 0 and math.isfinite(wall):
             loss = wall / tokens * self.bins.norm(ctx, running)

@@ -20,7 +20,6 @@ class StepOutcome:
     batch_size: int                    # sequences the step advanced
     ran: Decision | None = None        # what actually ran; None: the issued decision
     drafter_rebuild_s: float = 0.0     # the drafter's catch-up, when speculation resumed
-    drafter_prompt_s: float = 0.0      # else, its forward's time on new requests' prompts, drafted in line
     drafter_reload_s: float = 0.0      # its weights' trip back, when they just arrived
     memory_s: float = 0.0              # the drafter's memory moved before the step (an offload and
                                        # the KV pool grown, or the pool shrunk for a reload)

@@ -187,9 +187,7 @@ class Planner:
         the tokens it committed over all sequences, the sequences it advanced, and the drafter's
         catch-up / reload times when speculation resumed after a gamma = 0 period, and the time
         the drafter's memory took to move before it (an offload, a reload's pool shrink: no
-        arm's cost, taken off), and its forward's time on new requests' prompts in a step that
-        drafted in line (spread over the bin's such steps by their tokens,
-        :mod:`planner.contexts`). With the
+        arm's cost, taken off). With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
         time is estimated (:mod:`planner.step_costs`) and not charged to the arm. A step that
         fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
@@ -213,8 +211,7 @@ class Planner:
             step_wall_s=max(o.step_wall_s - o.memory_s, 0.0),
             tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
-            forward_cores=o.forward_cores, drafts_in_line=decision.mode is Mode.SD,
-            drafter_prompt_s=o.drafter_prompt_s)
+            forward_cores=o.forward_cores)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
         # not plain decoding's (SwitchCost.observe_plain).
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """`nightdraft bench levels` with mode auto's planner logged step by step: for every step it
 observes, what was issued and what ran, the batch, the tokens committed, the wall time, the
-prompt tokens fed, the drafter's catch-up and its time on new prompts, the acceptance
-estimate, and the bandit's view of the step's bin (each arm's estimated mean loss in ms a
-token, its evidence, and the noise its confidence bound uses), in the arms' order (`arms`).
+prompt tokens fed, the drafter's catch-up, the acceptance estimate, and the bandit's view of
+the step's bin (each arm's estimated mean loss in ms a token, its evidence, and the noise its
+confidence bound uses), in the arms' order (`arms`).
 
     .venv/bin/python scripts/planner_log_levels.py --log PATH [bench levels arguments]
 
@@ -33,7 +33,6 @@ def logged(planner, log: list) -> None:
         entry = {"issued": str(issued), "ran": str(o.ran) if o.ran is not None else None,
                  "batch": o.batch_size, "tokens": o.tokens_committed, "wall_ms": o.step_wall_s * 1e3,
                  "prefill_tokens": o.prefill_tokens, "catchup_ms": o.drafter_rebuild_s * 1e3,
-                 "prompt_ms": o.drafter_prompt_s * 1e3,
                  "decoded": o.decoded, "alpha": planner.alpha_estimate()}
         ctx = planner._ctx                    # the bin of the step's decision
         if ctx in bandit._bins:

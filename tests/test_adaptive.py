@@ -174,9 +174,8 @@ def test_the_step_after_an_offload_reports_the_memory_moved(prompts):
 
 def test_the_drafters_first_drafts_of_new_prompts_are_charged_to_the_arm_not_to_switching():
     """Speculation ran, the batch emptied, a new prompt came (a step that fed only prompts): the
-    drafter's prefill of it when it first drafts it is a cost of speculating: reported as the
-    prompt's time (the planner spreads it over the speculative arms' tokens), in that step only;
-    only drafts after plain decoding are a turn-on's catch-up."""
+    drafter's prefill of it when it first drafts it is a cost of speculating, so that step's wall
+    time is the arm's; only drafts after plain decoding are a turn-on's catch-up."""
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
                                  gamma=2, gamma_max=2, planner={"modes": ["sd"]}, planner_cost_profile="off"))
     seen = []
@@ -197,10 +196,6 @@ def test_the_drafters_first_drafts_of_new_prompts_are_charged_to_the_arm_not_to_
         assert not prompts_only.decoded
         assert first_drafts.ran is None, "the second request's first decoding step did not draft"
         assert first_drafts.drafter_rebuild_s == 0.0
-        assert 0.0 < first_drafts.drafter_prompt_s < first_drafts.step_wall_s
-        engine.step()
-        assert seen[-1].decoded and seen[-1].ran is None, "the next step did not draft"
-        assert seen[-1].drafter_prompt_s == 0.0, "no new prompt reached the drafter in it"
         assert all(o.drafter_rebuild_s == 0.0 for o in seen), "no plain decoding ran, so nothing is a catch-up"
     finally:
         engine.close()

@@ -544,26 +544,6 @@ def test_wall_time_without_the_catchup_is_the_arms_loss():
     assert mean == pytest.approx(0.1 / 10 * p.bins.norm("b4-7", 4))
 
 
-def test_a_new_requests_prompt_on_the_drafter_is_spread_over_every_in_line_gamma():
-    """Sequential SD feeds each new request's prompt to the drafter in the step that first
-    drafts it: at batch 1 a step twice as long as the others, on whichever gamma runs then.
-    Here every arrival lands on sd:1; both gammas cost the same, and both are scored the same,
-    the prompts' time spread over their tokens."""
-    p = Planner(PlannerConfig.from_dict({"initial_block": 1}), gamma_max=2, psd_available=False,
-                seed=0)
-    s = LoadSignals(batch_size=1, now=0.0)
-    for step in range(160):
-        arrival = step % 8 == 0
-        p.decide(s)
-        p.observe(Decision("sd", 1 + step % 2), StepOutcome(
-            step_wall_s=0.008 + (0.008 if arrival else 0.0), tokens_committed=2, batch_size=1,
-            drafter_prompt_s=0.008 if arrival else 0.0))
-    means = p.bandit.means("b1")
-    one, two = means[("sd", 1)][0], means[("sd", 2)][0]
-    assert one == pytest.approx(two, rel=0.05)
-    assert (one + two) / 2 == pytest.approx(0.009 / 2, rel=0.05), "the prompts' time was not charged"
-
-
 def test_a_step_that_fed_only_prompts_is_no_arms_sample():
     """Its time is nearly all prefill; scored, it lands on plain decoding (what ran, since nothing
     was drafted) as a loss far above plain decoding's own, and steers the bandit to speculate."""

@@ -166,12 +166,10 @@ class AdaptiveController:
         step's result."""
         self._observe_serving(step)
         self._observe_lending(step)
-        rebuild_s = prompt_s = 0.0
+        rebuild_s = 0.0
         if step.drafted and step.mode.uses_drafter:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.stats().last_catchup_s
-            elif step.mode is Mode.SD:     # drafted in line: new requests' prompts fed the drafter here
-                prompt_s = self.drafter.stats().last_prompt_s
             self._drafter_paused = False
         elif step.decoded:
             self._drafter_paused = True    # sequences decoded without it: it falls behind
@@ -185,7 +183,7 @@ class AdaptiveController:
                              if self.ngram_shadow is not None else (0, 0))
         self.planner.observe(self._issued, StepOutcome(
             step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
-            ran=ran if ran != self._issued else None, drafter_rebuild_s=rebuild_s, drafter_prompt_s=prompt_s,
+            ran=ran if ran != self._issued else None, drafter_rebuild_s=rebuild_s,
             drafter_reload_s=reload_s or 0.0, memory_s=self._memory_s,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,

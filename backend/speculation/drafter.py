@@ -62,7 +62,6 @@ class Drafter:
         self._pack = False                 # re-pack the linear layers after a reload
         self.last_propose_s = 0.0
         self.last_catchup_s = 0.0      # time of the last proposal's catch-up forward
-        self.last_prompt_s = 0.0       # of the last proposal's first forward, the prompts' share
         self.num_catchup_tokens = 0    # tokens re-fed to rebuild the drafter's KV (switching cost)
         self._ahead: dict[str, PreDraft] = {}     # seq id -> its pre-drafted next round
         self.tokenizer_path: str | None = None    # for structured outputs (Drafter.load sets it)
@@ -191,7 +190,6 @@ class Drafter:
 
     def stats(self) -> ProposerStats:
         return ProposerStats(last_propose_s=self.last_propose_s, last_catchup_s=self.last_catchup_s,
-                             last_prompt_s=self.last_prompt_s,
                              catchup_tokens=self.num_catchup_tokens, num_sequences=len(self._seqs),
                              kv_usage=self.kv.usage() if self.kv is not None else 0.0,
                              ahead=self.ahead_stats.as_dict())
@@ -204,7 +202,6 @@ class Drafter:
         if self.offloaded:
             raise RuntimeError("the drafter is offloaded; reload it before proposing")
         t0 = time.perf_counter()
-        self.last_prompt_s = 0.0
         proposals = [Proposal([], None) for _ in requests]
         active: list[int] = []
         for i, req in enumerate(requests):
@@ -322,9 +319,6 @@ class Drafter:
                 for i in active}
         catchup = sum(max(0, len(f) - 1) for f in feed.values())
         self.num_catchup_tokens += catchup
-        # Sequences it has not seen (new requests): their prompts' share of the first forward.
-        fed = sum(len(f) for f in feed.values())
-        prompts = sum(len(feed[i]) for i in active if self._seqs[requests[i].seq_id].kv_len == 0)
         step = 0
         rows: list[int] = []            # the previous forward's row of each active sequence
         dists: dict[int, list[torch.Tensor]] = {}     # a sampled request's draft distributions
@@ -335,7 +329,6 @@ class Drafter:
                 states = [self._seqs[s] for s in seq_ids]
                 num_new = [len(feed[i]) for i in active]
                 if step == 0:      # the catch-up tails; then one draft a position, the layout advanced
-                    t_first = time.perf_counter()
                     lookahead = max(requests[i].gamma for i in active) - 1
                     logits = self.runner.forward(seq_ids, [st.kv_len for st in states], num_new,
                                                  [t for i in active for t in feed[i]], lookahead=lookahead)
@@ -368,8 +361,6 @@ class Drafter:
                 active = still
                 if step == 0:
                     self.last_catchup_s = time.perf_counter() - t0 if catchup else 0.0
-                    if prompts:
-                        self.last_prompt_s += (time.perf_counter() - t_first) * prompts / fed
                 step += 1
         finally:
             for seq_id, n in in_grammar.items():

@@ -77,7 +77,6 @@ class ProposerStats:
     """What a proposer reports of itself, in one reading."""
     last_propose_s: float = 0.0    # time the last proposal took (on the proposer's device)
     last_catchup_s: float = 0.0    # of it, the catch-up forward for tokens it had not seen
-    last_prompt_s: float = 0.0     # of that forward, the share of sequences new to it (their prompts)
     catchup_tokens: int = 0        # tokens re-fed to rebuild its KV cache (the switching cost)
     num_sequences: int = 0         # sequences it holds
     kv_usage: float = 0.0          # of its KV pool (0 for a proposer without one)
