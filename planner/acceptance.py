@@ -54,6 +54,22 @@ class AcceptanceEstimate:
         self._alpha_of.pop(gamma, None)
         self.steps += 1
 
+    def expected_tokens(self, gamma: int, tokens_committed: int, batch_size: int,
+                        prior_sequences: float = 4.0) -> float:
+        """The tokens a speculative step of `batch_size` sequences at `gamma` is scored by: what
+        it committed, shrunk towards ``batch_size`` times this gamma's estimate so far (before
+        its first step, ``E(alpha, gamma)`` at the estimated alpha), which weighs
+        `prior_sequences` sequences. At batch 1 a step's tokens are one sequence's luck (1 to
+        gamma + 1), several times the cost differences the bandit ranks the arms by, and a few
+        unlucky drafts at one gamma would rank its mode below plain decoding for good; the
+        estimate starts from the prior and follows that gamma's yield, so the shrinkage costs no
+        bias once it has. A large batch's own tokens outweigh it."""
+        b = max(int(batch_size), 1)
+        e = self._e_hat.get(gamma)
+        if e is None:
+            e = expected_tokens_per_call(self.alpha(), gamma)
+        return b * (tokens_committed + prior_sequences * e) / (b + prior_sequences)
+
     def alpha(self) -> float:
         alpha, at = self._cache
         if at >= 0 and self.steps - at < 8:

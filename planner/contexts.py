@@ -109,7 +109,7 @@ class ContextBins:
 
 class StepCost(NamedTuple):
     wall_s: float           # the step's wall time, less the catch-up and the prefill's share
-    tokens: int             # tokens committed (at least 1)
+    tokens: float           # tokens committed (at least 1; a speculative step's, as scored)
     loss: float | None      # rescaled per-token latency (None: no usable wall time)
     weight: float           # the step's weight in the arm's mean
 
@@ -127,10 +127,10 @@ class StepLoss:
         """The usual tokens a step of this context commits (an EWMA), None before the first."""
         return self._tokens_per_step.get(ctx)
 
-    def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: int,
+    def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: float,
                 drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
                 forward_s: float, forward_cores: int = 0) -> StepCost:
-        tokens = max(int(tokens_committed), 1)
+        tokens = max(float(tokens_committed), 1.0)
         tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), float(tokens), 0.1)
         wall = float(step_wall_s)
         self.forward_cost.observe(forward_tokens, forward_s, forward_cores)

@@ -206,10 +206,17 @@ class Planner:
         ctx = self._ctx
         if ctx is None:        # observe before any decide: bin by the batch size we are given
             ctx = self.bins.context(LoadSignals(batch_size=o.batch_size))
+        # A PSD step verifies what was drafted for its sub-batch the step before: at this
+        # gamma only if that step ran the same arm.
+        psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
+        measures_acceptance = decision.mode is Mode.SD or psd_drafted_here
+        tokens = o.tokens_committed
+        if measures_acceptance and o.batch_size > 0 and o.tokens_committed > 0:
+            tokens = self._acceptance.expected_tokens(decision.gamma, o.tokens_committed, o.batch_size)
         cost = self._loss.measure(
             ctx, self._batch if self._ctx is not None else o.batch_size,
             step_wall_s=max(o.step_wall_s - o.memory_s, 0.0),
-            tokens_committed=o.tokens_committed, drafter_rebuild_s=o.drafter_rebuild_s,
+            tokens_committed=tokens, drafter_rebuild_s=o.drafter_rebuild_s,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
             forward_cores=o.forward_cores)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
@@ -224,7 +231,6 @@ class Planner:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
-        psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
         self._ran_last = decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
@@ -232,11 +238,9 @@ class Planner:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:
-            # A PSD step verifies what was drafted for its sub-batch the step before: at this
-            # gamma only if that step ran the same arm. Counting PSD keeps the acceptance (and
-            # the pruner's guard on it) measured while the planner plays PSD alone.
-            measures = decision.mode is Mode.SD or psd_drafted_here
-            if measures and o.batch_size > 0 and o.tokens_committed > 0:
+            # Counting PSD keeps the acceptance (and the pruner's guard on it) measured while
+            # the planner plays PSD alone.
+            if measures_acceptance and o.batch_size > 0 and o.tokens_committed > 0:
                 self._acceptance.observe_step(decision.gamma, o.tokens_committed, o.batch_size)
             self._switch.observe_on(o.drafter_rebuild_s)
 

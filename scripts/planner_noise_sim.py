@@ -26,30 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from helpers.planner_sim import ServerCosts          # noqa: E402
+from helpers.planner_sim import speculative_share_at_batch_1   # noqa: E402
 from planner import Planner                           # noqa: E402
-from planner.outcome import StepOutcome               # noqa: E402
-from planner.signals import LoadSignals               # noqa: E402
-
-
-def speculative_share_at_batch_1(seed: int, rejected: int, steps: int = 1500) -> float:
-    """The share of steps after the first third that used the drafter."""
-    costs = ServerCosts()
-    p = Planner(gamma_max=8, psd_available=True, cost_profile=costs.calibration(), seed=seed)
-    rng, t, drafts, late = np.random.default_rng(seed), 0.0, 0, []
-    for step in range(steps):
-        d = p.decide(LoadSignals(batch_size=1, now=t))
-        tokens, wall = 1, costs.step_s("ar", 0, 1)
-        if d.uses_drafter:
-            accepted = 0 if drafts < rejected else min(rng.geometric(1 - costs.alpha) - 1, d.gamma)
-            tokens, wall, drafts = accepted + 1, costs.step_s("sd", d.gamma, 1), drafts + 1
-        wall *= 1 + 0.05 * rng.standard_normal()
-        p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=1))
-        p.observe_serving(costs.outside(1), 1)
-        t += wall
-        if step >= steps // 3:
-            late.append(d.uses_drafter)
-    return float(np.mean(late))
 
 
 def phases_over_oracle(seed: int) -> list[float]:

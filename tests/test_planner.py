@@ -13,6 +13,8 @@ from planner.cost_model import CostProfile, expected_tokens_per_call
 from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
 from planner.signals import LoadSignals
 
+from helpers.planner_sim import speculative_share_at_batch_1
+
 
 # ---------------------------------------------------------------------------------------------
 # bandit on synthetic environments: loss = f(context, arm) * (1 + noise)
@@ -322,6 +324,16 @@ def test_a_few_rejected_drafts_at_batch_1_leave_the_acceptance_near_its_prior():
     assert large.alpha() > 0.85
 
 
+@pytest.mark.parametrize("rejected", [4, 6])
+def test_a_few_rejected_drafts_at_batch_1_do_not_rank_speculation_below_plain_decoding(rejected):
+    """At batch 1 SD at gamma 2-4 costs about 0.7x plain decoding a token here, but a step's
+    tokens are one sequence's luck: with the first drafts all rejected, scored as they came,
+    speculation looked dearer than plain decoding and some seeds never drafted again. Scored
+    shrunk towards the gamma's estimate, every seed speculates on most steps after that start."""
+    shares = [speculative_share_at_batch_1(seed, rejected) for seed in range(12)]
+    assert min(shares) > 0.5, shares
+
+
 def test_psd_steps_measure_the_acceptance_when_their_drafts_were_made_at_their_gamma():
     """A PSD step verifies drafts made the step before: consecutive steps of one PSD arm measure
     the acceptance (so that it, and the pruner's guard on it, follow the text while the planner
@@ -363,17 +375,18 @@ def test_a_decision_prices_the_drafters_turn_on_once_for_all_its_arms(monkeypatc
     estimates it once, not once per arm the bandit weighs."""
     p = Planner(gamma_max=8, psd_available=True, cost_profile=profile(), seed=0)
     eng = FakeEngine(p, seed=0)
-    for _ in range(50):
-        eng.step(96)                                   # plain decoding: the drafter falls behind
     estimates = []
     real = p.estimated_switch_cost_s
     monkeypatch.setattr(p, "estimated_switch_cost_s", lambda *a: estimates.append(1) or real(*a))
     decisions = 0
-    for _ in range(400):
-        before = len(estimates)
-        d, _, _ = eng.step(2)
-        assert len(estimates) - before <= 1
-        decisions += len(estimates) > before
+    for _ in range(4):
+        for _ in range(50):
+            eng.step(96)                               # plain decoding: the drafter falls behind
+        for _ in range(100):
+            before = len(estimates)
+            eng.step(2)
+            assert len(estimates) - before <= 1
+            decisions += len(estimates) > before
     assert decisions >= 3 and p.mode_switches >= 1     # it was asked, and it did switch
 
 
@@ -541,7 +554,9 @@ def test_wall_time_without_the_catchup_is_the_arms_loss():
     p.decide(s)
     p.observe(d, StepOutcome(step_wall_s=1.0, tokens_committed=10, drafter_rebuild_s=0.9, batch_size=4))
     mean, _ = p.bandit.means("b4-7")[("sd", 2)]
-    assert mean == pytest.approx(0.1 / 10 * p.bins.norm("b4-7", 4))
+    # its 10 tokens as scored: shrunk towards 4 sequences' yield at the prior (4 sequences' weight)
+    scored = 4 * (10 + 4 * expected_tokens_per_call(0.6, 2)) / (4 + 4)
+    assert mean == pytest.approx(0.1 / scored * p.bins.norm("b4-7", 4))
 
 
 def test_a_step_that_fed_only_prompts_is_no_arms_sample():
