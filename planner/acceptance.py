@@ -5,7 +5,9 @@
   ``prior_sequences`` sequences; inverting ``E(alpha, gamma)``
   (:func:`~planner.cost_model.expected_tokens_per_call`) gives the per-position acceptance
   alpha, averaged over the gammas seen (``alpha_prior`` until a speculative step is seen;
-  recomputed every 8 of them: the cost model's prior follows it).
+  recomputed every 8 of them: the cost model's prior follows it). A speculative step is scored
+  by its tokens shrunk towards its gamma's EWMA (``expected_tokens``): at batch 1 they are one
+  sequence's luck.
 * :class:`MatchRate` — the n-gram drafts' per-position acceptance, from what they would have
   matched on every step (the engine's shadow lookup), discounted so that it follows the text.
 * :class:`CostModelPrior` — with a :class:`~planner.cost_model.CostProfile`, an arm's predicted

@@ -189,7 +189,9 @@ class Planner:
         the drafter's memory took to move before it (an offload, a reload's pool shrink: no
         arm's cost, taken off). With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
-        time is estimated (:mod:`planner.step_costs`) and not charged to the arm. A step that
+        time is estimated (:mod:`planner.step_costs`) and not charged to the arm; a speculative
+        step's tokens are scored shrunk towards its gamma's estimated yield
+        (:meth:`~planner.acceptance.AcceptanceEstimate.expected_tokens`). A step that
         fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
         could be drafted, and what is left of its time after the prefill's estimated share is
         noise that would land on plain decoding): only the forward's cost line learns from it.
