@@ -33,11 +33,14 @@ class AcceptanceEstimate:
     advanced, so that one step at batch 1 (one sequence's luck) does not set a gamma's estimate:
     a low acceptance makes the prior rank the long gammas below the short ones (near 0, every
     drafter arm last), and only speculation at those gammas measures it again. One step of a
-    large batch outweighs it."""
+    large batch outweighs it. `scoring_sequences`: the weight, in sequences, of a gamma's
+    estimate in the tokens a step is scored by (:meth:`expected_tokens`)."""
 
-    def __init__(self, alpha_prior: float = 0.6, prior_sequences: float = 8.0):
+    def __init__(self, alpha_prior: float = 0.6, prior_sequences: float = 8.0,
+                 scoring_sequences: float = 4.0):
         self.alpha_prior = alpha_prior
         self.prior_sequences = prior_sequences
+        self.scoring_sequences = scoring_sequences
         self._e_hat: dict[int, float] = {}      # tokens per sequence per step, per gamma
         self._seen: dict[int, float] = {}       # sequences advanced at each gamma
         self._alpha_of: dict[int, float] = {}   # its inversion, per gamma (dropped when it moves)
@@ -56,12 +59,11 @@ class AcceptanceEstimate:
         self._alpha_of.pop(gamma, None)
         self.steps += 1
 
-    def expected_tokens(self, gamma: int, tokens_committed: int, batch_size: int,
-                        prior_sequences: float = 4.0) -> float:
+    def expected_tokens(self, gamma: int, tokens_committed: int, batch_size: int) -> float:
         """The tokens a speculative step of `batch_size` sequences at `gamma` is scored by: what
         it committed, shrunk towards ``batch_size`` times this gamma's estimate so far (before
         its first step, ``E(alpha, gamma)`` at the estimated alpha), which weighs
-        `prior_sequences` sequences. At batch 1 a step's tokens are one sequence's luck (1 to
+        ``scoring_sequences`` sequences. At batch 1 a step's tokens are one sequence's luck (1 to
         gamma + 1), several times the cost differences the bandit ranks the arms by, and a few
         unlucky drafts at one gamma would rank its mode below plain decoding for good; the
         estimate starts from the prior and follows that gamma's yield, so the shrinkage costs no
@@ -70,7 +72,8 @@ class AcceptanceEstimate:
         e = self._e_hat.get(gamma)
         if e is None:
             e = expected_tokens_per_call(self.alpha(), gamma)
-        return b * (tokens_committed + prior_sequences * e) / (b + prior_sequences)
+        w = self.scoring_sequences
+        return b * (tokens_committed + w * e) / (b + w)
 
     def alpha(self) -> float:
         alpha, at = self._cache

@@ -131,7 +131,7 @@ class StepLoss:
                 drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
                 forward_s: float, forward_cores: int = 0) -> StepCost:
         tokens = max(float(tokens_committed), 1.0)
-        tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), float(tokens), 0.1)
+        tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), tokens, 0.1)
         wall = float(step_wall_s)
         self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:

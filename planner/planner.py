@@ -211,9 +211,10 @@ class Planner:
         # A PSD step verifies what was drafted for its sub-batch the step before: at this
         # gamma only if that step ran the same arm.
         psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
-        measures_acceptance = decision.mode is Mode.SD or psd_drafted_here
+        measures_acceptance = ((decision.mode is Mode.SD or psd_drafted_here)
+                               and o.batch_size > 0 and o.tokens_committed > 0)
         tokens = o.tokens_committed
-        if measures_acceptance and o.batch_size > 0 and o.tokens_committed > 0:
+        if measures_acceptance:
             tokens = self._acceptance.expected_tokens(decision.gamma, o.tokens_committed, o.batch_size)
         cost = self._loss.measure(
             ctx, self._batch if self._ctx is not None else o.batch_size,
@@ -242,7 +243,7 @@ class Planner:
         elif decision.uses_drafter:
             # Counting PSD keeps the acceptance (and the pruner's guard on it) measured while
             # the planner plays PSD alone.
-            if measures_acceptance and o.batch_size > 0 and o.tokens_committed > 0:
+            if measures_acceptance:
                 self._acceptance.observe_step(decision.gamma, o.tokens_committed, o.batch_size)
             self._switch.observe_on(o.drafter_rebuild_s)
 

@@ -4,7 +4,8 @@
 
 * the turn-on step (the drafter's catch-up reported): its wall time less that catch-up, against
   the median of its arm's other steps at the same batch, and the same for the step after it;
-* the drafter's time on new requests' prompts (`prompt_ms`, logs of code that reports it).
+* the drafter's time on new requests' prompts (`prompt_ms`: only logs written on commit b0fa7de,
+  `benchmarks/results/prompt-spread-c1/after-*.json`, have it).
 
     .venv/bin/python scripts/step_extras.py LOG.json [LOG.json ...]
 """
@@ -26,7 +27,8 @@ def quartiles(xs: list[float]) -> str:
 def main(paths: list[str]) -> int:
     turn_on, after, prompt = [], [], []
     for path in paths:
-        log = json.load(open(path))["log"]
+        with open(path) as f:
+            log = json.load(f)["log"]
         steady = defaultdict(list)       # (arm, batch) -> walls of steps with nothing one-off
         for s in log:
             if s["decoded"] and s["ran"] is None and s["catchup_ms"] == 0 and not s.get("prompt_ms"):
