@@ -1,15 +1,16 @@
 """Predicting AR, SD and PSD throughput from measured forward costs and acceptance.
 
 Inputs are measurements, never engine internals: T_verify(b, n) is the time of one target forward
-over b sequences feeding n tokens each, T_draft(b) the time of one drafter forward over b
-sequences (one token each; a proposal of gamma tokens costs about gamma of them), and alpha the
-per-position acceptance rate. With those (Leviathan et al. 2023):
+over b sequences feeding n tokens each, T_propose(b, gamma) the time of one proposal of gamma
+draft tokens for b sequences (a call's own cost, then gamma drafter forwards of one token each:
+``CostProfile.t_propose``), and alpha the per-position acceptance rate. With those (Leviathan
+et al. 2023):
 
     tokens per target call  E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
     AR   throughput = b / T_verify(b, 1)
-    SD   throughput = b * E / (gamma * T_draft(b) + T_verify(b, gamma + 1))
+    SD   throughput = b * E / (T_propose(b, gamma) + T_verify(b, gamma + 1))
     n-gram throughput = b * E / T_verify(b, gamma + 1)   (SD whose drafts cost nothing)
-    PSD  throughput = (b/2) * E / max(gamma * T_draft(b/2), T_verify(b/2, gamma + 1))
+    PSD  throughput = (b/2) * E / max(T_propose(b/2, gamma), T_verify(b/2, gamma + 1))
 
 PSD verifies one half of the batch while the drafter, on its own device, drafts the other half,
 so a step costs the slower of the two instead of their sum; each request advances every other
@@ -23,8 +24,8 @@ step starts. That is about ``per_step + per_response * responses`` seconds
 step of AR, SD or n-gram SD emits ``b`` responses and a PSD step ``ceil(b/2)``; with it::
 
     AR   step = T_verify(b, 1) + O(b)                                  1 token per response
-    SD   step = gamma * T_draft(b) + T_verify(b, gamma + 1) + O(b)     E tokens per response
-    PSD  step = max(gamma * T_draft(b/2), T_verify(b/2, gamma + 1) + O(b/2))
+    SD   step = T_propose(b, gamma) + T_verify(b, gamma + 1) + O(b)    E tokens per response
+    PSD  step = max(T_propose(b/2, gamma), T_verify(b/2, gamma + 1) + O(b/2))
 
 so a per-response cost weighs 1/E per token on a speculative arm and fully on plain decoding.
 Left out, the model ranks plain decoding and short gammas too well wherever responses are
@@ -69,10 +70,16 @@ class CostProfile:
     """Measured forward times, interpolated linearly in batch size (log-spaced samples work well).
 
     verify[(b, n)]: seconds for one target forward of b sequences x n new tokens each.
-    draft[b]:       seconds for one drafter forward of b sequences x 1 token.
+    draft[b]:       seconds each draft position adds to a proposal for b sequences.
+    draft_call[b]:  seconds a proposal for b sequences costs besides its positions (its call's
+                    own work: the sequences' bookkeeping, the committed tokens fed, the draft
+                    distributions set up). Empty in a profile that timed one-position
+                    proposals only: ``draft`` is then a whole one-position proposal, and a
+                    proposal of gamma positions is priced at gamma of them.
     """
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
+    draft_call: dict[int, float] = field(default_factory=dict)
 
     def t_verify(self, b: float, n: int) -> float:
         points = sorted((bb, t) for (bb, nn), t in self.verify.items() if nn == n)
@@ -90,14 +97,21 @@ class CostProfile:
             raise ValueError("the cost profile has no drafter measurements")
         return _interp(sorted(self.draft.items()), b)
 
+    def t_propose(self, b: float, gamma: int) -> float:
+        """One proposal of `gamma` draft positions for `b` sequences."""
+        call = _interp(sorted(self.draft_call.items()), b) if self.draft_call else 0.0
+        return call + gamma * self.t_draft(b)
+
     def to_dict(self) -> dict:
         return {"verify": [[b, n, t] for (b, n), t in sorted(self.verify.items())],
-                "draft": [[b, t] for b, t in sorted(self.draft.items())]}
+                "draft": [[b, t] for b, t in sorted(self.draft.items())],
+                "draft_call": [[b, t] for b, t in sorted(self.draft_call.items())]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
         return cls({(int(b), int(n)): float(t) for b, n, t in d.get("verify", [])},
-                   {int(b): float(t) for b, t in d.get("draft", [])})
+                   {int(b): float(t) for b, t in d.get("draft", [])},
+                   {int(b): float(t) for b, t in d.get("draft_call", [])})
 
 
 def _interp(points: list[tuple[int, float]], x: float) -> float:
@@ -160,7 +174,7 @@ def predict(mode: Mode | str, batch: int, gamma: int, alpha: float, profile: Cos
         return Prediction(Mode.AR, batch, 0, batch / step, step, 1.0)
     e = expected_tokens_per_call(alpha, gamma)
     if mode is Mode.SD:
-        step = gamma * profile.t_draft(batch) + profile.t_verify(batch, gamma + 1) + extra(batch)
+        step = profile.t_propose(batch, gamma) + profile.t_verify(batch, gamma + 1) + extra(batch)
     elif mode is Mode.NGRAM:
         step = profile.t_verify(batch, gamma + 1) + extra(batch)
     elif batch < 2:   # PSD with one sub-batch empty falls back to sequential SD
@@ -168,13 +182,13 @@ def predict(mode: Mode | str, batch: int, gamma: int, alpha: float, profile: Cos
     else:
         half = batch / 2
         verified = math.ceil(half)
-        step = max(gamma * profile.t_draft(half), profile.t_verify(verified, gamma + 1) + extra(verified))
+        step = max(profile.t_propose(half, gamma), profile.t_verify(verified, gamma + 1) + extra(verified))
         return Prediction(mode, batch, gamma, half * e / step, step, e)
     return Prediction(mode, batch, gamma, batch * e / step, step, e)
 
 
 def psd_speedup_bound(batch: int, gamma: int, profile: CostProfile) -> float:
-    """(gamma*T_draft + T_verify) / max(gamma*T_draft, T_verify): PSD's ceiling over SD."""
-    d = gamma * profile.t_draft(batch / 2)
+    """(T_propose + T_verify) / max(T_propose, T_verify): PSD's ceiling over SD."""
+    d = profile.t_propose(batch / 2, gamma)
     v = profile.t_verify(math.ceil(batch / 2), gamma + 1)
     return (d + v) / max(d, v)

@@ -31,7 +31,7 @@ def initial_rebuild_per_token(cfg: PlannerConfig, profile: CostProfile | None) -
     if cfg.rebuild_s_per_token is not None or profile is None or not profile.draft:
         return cfg.rebuild_s_per_token
     bmax = max(profile.draft)
-    return profile.t_draft(bmax) / bmax
+    return profile.t_propose(bmax, 1) / bmax
 
 
 class SwitchCost:

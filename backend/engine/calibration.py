@@ -1,7 +1,8 @@
 """Timing bare forwards into a cost profile: what the planner's warm start and the cost model read.
 
 A :class:`~planner.cost_model.CostProfile` holds T_verify(b, n), one target forward over b
-sequences feeding n tokens each, and T_draft(b), one drafter forward over b sequences. Both are
+sequences feeding n tokens each, and a proposal's cost for b sequences: its call's own part and
+what each draft position adds, from proposals of one position and of the longest. Both are
 measured here on throw-away KV pools with ~128 tokens of context per sequence, medians of a few
 repetitions after a warm-up; the engine's own pool and sequences are never touched.
 """
@@ -53,10 +54,10 @@ def time_forward(runner: ModelRunner, *, batch: int, tokens: int, device, dtype,
     return statistics.median(times)
 
 
-def time_proposing(proposer, *, batch: int, vocab_size: int, reps: int = 5) -> float:
-    """Median seconds a :class:`~backend.speculation.proposer.Proposer` takes to propose one
-    token for each of `batch` sequences of ~128 tokens, one committed token after the last
-    round, as in steady decoding: what one draft position costs the engine, the proposer's own
+def time_proposing(proposer, *, batch: int, vocab_size: int, gamma: int = 1, reps: int = 5) -> float:
+    """Median seconds a :class:`~backend.speculation.proposer.Proposer` takes to propose `gamma`
+    tokens for each of `batch` sequences of ~128 tokens, one committed token after the last
+    round, as in steady decoding: what a proposal costs the engine, the proposer's own
     bookkeeping and the draft distributions included (a sampled request's)."""
     from backend.sampling.params import SamplingParams
     from backend.speculation.proposer import DraftRequest
@@ -68,7 +69,7 @@ def time_proposing(proposer, *, batch: int, vocab_size: int, reps: int = 5) -> f
     times, sent = [], {s: 0 for s in seqs}
     try:
         for r in range(reps + 2):        # the first round prefills, the second warms up
-            reqs = [DraftRequest(s, toks[sent[s]:], 1, params, start=sent[s]) for s, toks in seqs.items()]
+            reqs = [DraftRequest(s, toks[sent[s]:], gamma, params, start=sent[s]) for s, toks in seqs.items()]
             t0 = time.perf_counter()
             proposer.propose(reqs)
             if r >= 2:
@@ -83,17 +84,30 @@ def time_proposing(proposer, *, batch: int, vocab_size: int, reps: int = 5) -> f
 
 
 def measure_cost_profile(target: ModelRunner, proposer=None, *, batches, token_counts, device, dtype,
-                         reps: int = 5) -> CostProfile:
+                         reps: int = 5, longest_proposal: int = 1) -> CostProfile:
     """Target forwards at every (batch, tokens) pair (the engine's runner), and with a proposer,
-    one draft position at every batch (see :func:`time_proposing`)."""
+    at every batch, proposals of one position and of `longest_proposal` (see
+    :func:`time_proposing`): the difference over the extra positions is what a position adds,
+    the rest of a one-position proposal the call's own cost (a proposal of gamma positions is
+    not gamma one-position calls: at batch 1 the call's own part is most of one)."""
     profile = CostProfile()
+    vocab = target.model.config.vocab_size
     for b in batches:
         for n in token_counts:
             profile.verify[(b, n)] = time_forward(target, batch=b, tokens=n, device=device,
                                                   dtype=dtype, reps=reps)
-        if proposer is not None:
-            profile.draft[b] = time_proposing(proposer, batch=b, vocab_size=target.model.config.vocab_size,
-                                              reps=reps)
+        if proposer is None:
+            continue
+        one = time_proposing(proposer, batch=b, vocab_size=vocab, reps=reps)
+        if longest_proposal <= 1:
+            profile.draft[b] = one
+            continue
+        longest = time_proposing(proposer, batch=b, vocab_size=vocab, gamma=longest_proposal, reps=reps)
+        # (noise can make the longer proposal look no dearer: a position then costs at least
+        # a tenth of a one-position proposal)
+        per_position = max((longest - one) / (longest_proposal - 1), 0.1 * one)
+        profile.draft[b] = per_position
+        profile.draft_call[b] = max(one - per_position, 0.0)
     return profile
 
 
@@ -119,7 +133,7 @@ def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> Co
     if config.proposer is ProposerKind.NGRAM:
         proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
     else:     # a throw-away in-process drafter, timed where the target runs (a worker's core is alike)
-        per_seq = (CONTEXT_TOKENS + 16) // BLOCK + 1
+        per_seq = (CONTEXT_TOKENS + 16 + config.gamma_max) // BLOCK + 1     # the longest proposal's too
         dcfg = ModelConfig.from_pretrained(config.drafter)
         proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
                                 kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype),
@@ -127,7 +141,8 @@ def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> Co
                                 max_query_len=config.gamma_max + 1)
     # (both proposers live in this process: nothing to stop afterwards)
     profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
-                                   device=config.device, dtype=dtype, reps=3)
+                                   device=config.device, dtype=dtype, reps=3,
+                                   longest_proposal=config.gamma_max)
     if lending is not None:
         lending.lend_drafter_cores()
         try:
