@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from client.dynamic_report import (Record, RunResult, Targets, goals, median_summary, mode_shares, noise,
-                                   regret, summarise)
+from client.dynamic_report import (Record, RunResult, Targets, format_table, goals, median_summary, mode_shares,
+                                   noise, regret, summarise)
 from client.load_shapes import SHAPES, phases, schedule
 
 KEYS = {"throughput_tok_s", "goodput_tok_s", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
@@ -95,6 +95,27 @@ def test_goal_rows():
     assert g["adaptive"]["worst_phase_goodput_vs_best_fixed"] == pytest.approx(19 / 20)
     assert g["adaptive"]["e2e_vs_sd"] == pytest.approx(0.8)
     assert g["offload_worst_phase"]["e2e_mean_s"] == pytest.approx(0.8 / 0.7)
+    assert g["offload_worst_phase"]["offloads"] is None          # not recorded
+
+
+def test_the_offload_row_says_when_the_planner_never_offloaded():
+    def cfg(ttft, offloads=None):
+        row = {"throughput_tok_s": 10.0, "goodput_tok_s": 10.0, "ttft_mean_s": ttft, "e2e_mean_s": 2 * ttft,
+               "ttft_p99_s": ttft, "tpot_mean_s": 0.01, "tpot_p99_s": 0.01, "e2e_p99_s": 2 * ttft}
+        c = {"phases": [dict(row)], "overall": dict(row)}
+        if offloads is not None:
+            c["offloads"] = offloads
+        return c
+
+    def offload_line(offloads):
+        configs = {"sd": cfg(0.1), "adaptive": cfg(0.13, offloads), "adaptive_no_offload": cfg(0.1, [0, 0])}
+        report = {"configs": configs, "regret": regret(configs, 1), "phases": [{"name": "low"}]}
+        assert goals(report)["offload_worst_phase"]["offloads"] == sum(offloads)
+        return next(line for line in format_table(report).splitlines() if line.startswith("offloading"))
+
+    assert offload_line([0, 0]) == ("offloading, worst phase against not offloading: no offload in any "
+                                    "repeat, nothing to compare (TTFT x1.30, e2e x1.30 is the runs' noise)")
+    assert offload_line([1, 0]).endswith("TTFT x1.30, e2e x1.30 (<= 1)")
 
 
 def _summary(tp, ttft, e2e):
