@@ -15,7 +15,9 @@ of the arms. The rescaling is common to all arms of a bin, so it does not bias t
 steady-state cost and the catch-up is charged once, as the switching cost), and the prefill's
 share of the target forward, priced at the cheapest placement's rate
 (:class:`~planner.step_costs.ForwardCost`), is taken off: an arm whose forward runs on fewer
-cores keeps the extra its prefill costs there.
+cores keeps the extra its prefill costs there. Until that line is fitted (an engine's first
+steps) a step that fed prompts has no price for them: its time is not its arm's
+(``StepCost.prefill_unpriced``), and the planner counts it as played, not measured.
 Each step is weighted by its tokens over the bin's usual tokens per step, so an arm's mean is its
 total time over its total tokens.
 """
@@ -112,6 +114,7 @@ class StepCost(NamedTuple):
     tokens: float           # tokens committed (at least 1; a speculative step's, as scored)
     loss: float | None      # rescaled per-token latency (None: no usable wall time)
     weight: float           # the step's weight in the arm's mean
+    prefill_unpriced: bool = False   # it fed prompts before the forward's line could price them
 
 
 class StepLoss:
@@ -136,10 +139,11 @@ class StepLoss:
         self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
+        unpriced = prefill_tokens > 0 and self.forward_cost.seconds_per_token is None
         if prefill_tokens > 0:
             wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
         loss = None
         if wall > 0 and math.isfinite(wall):
             loss = wall / tokens * self.bins.norm(ctx, running)
         weight = min(max(tokens / tps, 0.1), 10.0)    # time over tokens, not mean of ratios
-        return StepCost(wall, tokens, loss, weight)
+        return StepCost(wall, tokens, loss, weight, unpriced)

@@ -189,7 +189,8 @@ class Planner:
         the drafter's memory took to move before it (an offload, a reload's pool shrink: no
         arm's cost, taken off). With the
         prefill tokens and the target forward's size and time, the prefill's share of the wall
-        time is estimated (:mod:`planner.step_costs`) and not charged to the arm; a speculative
+        time is estimated (:mod:`planner.step_costs`) and not charged to the arm (a step with
+        prompts before that line is fitted is counted as played, not measured); a speculative
         step's tokens are scored shrunk towards its gamma's estimated yield
         (:meth:`~planner.acceptance.AcceptanceEstimate.expected_tokens`). A step that
         fed only prompts (``decoded`` false) is no arm's sample (whatever was issued, nothing
@@ -227,17 +228,21 @@ class Planner:
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None
                        and self._ran_last.uses_drafter)
         # A step on cores the engine is only trying (its lending choice) is not plain
-        # decoding's cost as it runs.
+        # decoding's cost as it runs. Nor is a step whose prompts the forward's line cannot
+        # price yet: in an engine's first steps, a prompt fed beside a few drafts can cost
+        # several times the step without it, and set its mode's level above plain decoding's
+        # for as long as the bounds take to reopen.
         trying = decision.mode is Mode.AR and o.trying_cores
+        unpriced = cost.prefill_unpriced
         if cost.loss is not None and decision.arm in self._decisions:
-            if turning_off or trying:
+            if turning_off or trying or unpriced:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         self._ran_last = decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
-        if decision.mode is Mode.AR and not trying:
+        if decision.mode is Mode.AR and not trying and not unpriced:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:

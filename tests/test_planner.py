@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from backend.mode import Mode
 from planner.bandit import ContextualBandit
 from planner.cost_model import CostProfile, expected_tokens_per_call
 from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
@@ -332,6 +333,45 @@ def test_a_few_rejected_drafts_at_batch_1_do_not_rank_speculation_below_plain_de
     shrunk towards the gamma's estimate, every seed speculates on most steps after that start."""
     shares = [speculative_share_at_batch_1(seed, rejected) for seed in range(12)]
     assert min(shares) > 0.5, shares
+
+
+@pytest.mark.parametrize("prompted, prompt_tokens", [(2, 150), (3, 100)])
+def test_prompts_fed_before_the_forwards_line_is_fitted_do_not_set_speculations_level(
+        prompted, prompt_tokens):
+    """An engine's first speculative steps may feed a joining request's prompt (in the warm-up,
+    at concurrency 1); before the forward's cost line is fitted (16 steps) the prompt's share of
+    the step cannot be taken off, and charged to the arm it made speculation look dearer than
+    plain decoding, where at batch 1 SD costs about 0.7x a token: some engines never drafted
+    again. Counted as played, not measured, those steps leave every seed speculating."""
+    shares = [speculative_share_at_batch_1(seed, 0, prompted=prompted, prompt_tokens=prompt_tokens)
+              for seed in range(12)]
+    assert min(shares) > 0.5, shares
+
+
+def test_a_step_with_prompts_before_the_line_is_fitted_is_played_not_measured():
+    """The arm that ran such a step is counted as played and keeps no sample of its time; once
+    the line is fitted, a step with prompts is measured with their share taken off."""
+    p = Planner(gamma_max=4, psd_available=False, seed=0,
+                cost_profile=CostProfile({(1, n): 0.004 + 0.0001 * n for n in range(1, 6)},
+                                         {1: 0.001}))
+    sd2 = Decision(Mode.SD, 2)
+    first = StepOutcome(step_wall_s=0.03, tokens_committed=3, batch_size=1, prefill_tokens=150,
+                        forward_tokens=153, forward_s=0.02)
+    p.decide(LoadSignals(batch_size=1))
+    p.observe(sd2, first)
+    assert p.bandit.context_stats("b1").plays == {sd2.arm: 1}
+    assert sd2.arm not in p.bandit.measured("b1")
+    for i in range(20):              # the line learns from every step's forward
+        p.decide(LoadSignals(batch_size=1))
+        p.observe(AR, StepOutcome(step_wall_s=0.005 + 0.0001 * i, tokens_committed=1,
+                                  batch_size=1, forward_tokens=1 + 10 * i,
+                                  forward_s=0.004 + 0.0001 * (1 + 10 * i)))
+    assert p.forward_cost.seconds_per_token is not None
+    p.decide(LoadSignals(batch_size=1))
+    p.observe(sd2, first)
+    loss, evidence = p.bandit.measured("b1")[sd2.arm]
+    whole = 0.03 / p._acceptance.expected_tokens(2, 3, 1)      # the step's time, per scored token
+    assert evidence > 0 and 0.4 * whole < loss < 0.6 * whole     # half of it was the prompt's
 
 
 def test_psd_steps_measure_the_acceptance_when_their_drafts_were_made_at_their_gamma():

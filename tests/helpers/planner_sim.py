@@ -105,21 +105,31 @@ class ServerSim:
         return d, wall, tokens
 
 
-def speculative_share_at_batch_1(seed: int, rejected: int, steps: int = 1500) -> float:
+def speculative_share_at_batch_1(seed: int, rejected: int, steps: int = 1500, *,
+                                 prompted: int = 0, prompt_tokens: int = 100) -> float:
     """The share of steps after the first third that used the drafter, at batch 1 where SD at
     gamma 2-4 costs about 0.7x plain decoding a token, with the first `rejected` drafts all
-    rejected (one sequence's bad luck at the start)."""
+    rejected (one sequence's bad luck at the start), and the first `prompted` speculative steps
+    also feeding a prompt of `prompt_tokens` tokens (a request joining in an engine's first
+    steps). Every step reports its target forward, as the engine does."""
     costs = ServerCosts()
     p = Planner(gamma_max=8, psd_available=True, cost_profile=costs.calibration(), seed=seed)
     rng, t, drafts, late = np.random.default_rng(seed), 0.0, 0, []
     for step in range(steps):
         d = p.decide(LoadSignals(batch_size=1, now=t))
-        tokens, wall = 1, costs.step_s("ar", 0, 1)
+        tokens, fed, wall = 1, 1, costs.step_s("ar", 0, 1)
+        prefill = 0
         if d.uses_drafter:
             accepted = 0 if drafts < rejected else min(rng.geometric(1 - costs.alpha) - 1, d.gamma)
-            tokens, wall, drafts = accepted + 1, costs.step_s("sd", d.gamma, 1), drafts + 1
-        wall *= 1 + 0.05 * rng.standard_normal()
-        p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=1))
+            tokens, fed, wall = accepted + 1, d.gamma + 1, costs.step_s("sd", d.gamma, 1)
+            prefill = prompt_tokens if drafts < prompted else 0
+            drafts += 1
+        noise = 1 + 0.05 * rng.standard_normal()
+        forward_s = costs.t_verify(1, fed + prefill) * noise
+        wall = (wall + costs.c1 * prefill) * noise
+        p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=1,
+                                 prefill_tokens=prefill, forward_tokens=fed + prefill,
+                                 forward_s=forward_s))
         p.observe_serving(costs.outside(1), 1)
         t += wall
         if step >= steps // 3:
