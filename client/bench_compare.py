@@ -122,21 +122,18 @@ def build_engines(args, names: list[str]) -> dict:
 
 def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placement: Placement,
               reps: int = 5) -> CostProfile:
-    """Time bare forwards of the target (b x 1 and b x (gamma+1) tokens) and of the drafter
-    (b x 1), with ~128 tokens of context each, under the target's placement."""
-    from backend.engine.calibration import time_forward
-    from backend.speculation.drafter import Drafter
+    """The cost profile as mode auto's planner measures it (:mod:`backend.engine.calibration`),
+    under the target's placement: target forwards of b x 1 and b x (gamma+1) tokens, and the
+    drafter's proposals of one position and of gamma, split into the call's own cost and each
+    position's (a proposal's call is paid once, not per position)."""
+    from backend.engine.calibration import calibration_drafter, measure_cost_profile
 
     _apply(placement)
     cfg = engine.config
-    # A drafter as the engine's runs (attention, captured step), in this process, on a small pool.
-    drafter = Drafter.load(drafter_path, device=cfg.device, dtype=engine.dtype, kv_cache_bytes=8 << 20,
-                           block_size=cfg.block_size, attention=cfg.attention, compile=cfg.compile,
-                           max_query_len=cfg.gamma_max + 1)
-    kw = dict(device=cfg.device, dtype=engine.dtype, reps=reps)
-    return CostProfile({(b, n): time_forward(engine.runner, batch=b, tokens=n, **kw)
-                        for b in batches for n in (1, gamma + 1)},
-                       {b: time_forward(drafter.runner, batch=b, tokens=1, **kw) for b in batches})
+    drafter = calibration_drafter(drafter_path, cfg, engine.dtype, max_batch=max(batches),
+                                  longest=gamma)
+    return measure_cost_profile(engine.runner, drafter, batches=batches, token_counts=(1, gamma + 1),
+                                device=cfg.device, dtype=engine.dtype, reps=reps, longest_proposal=gamma)
 
 
 def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,

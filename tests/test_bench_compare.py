@@ -40,6 +40,9 @@ def test_bench_compare_puts_draft_ahead_beside_sd(tmp_path):
     assert 0 < ahead["ahead_hit_rate"] <= 1 and ahead["ahead_by_accepted"]
     assert sum(r["rounds"] for r in ahead["ahead_by_accepted"].values()) > 0
     assert rows["sd"].get("ahead_hit_rate") is None        # sd itself never drafts ahead
+    # the prediction's profile is calibrated as the planner's is: a proposal's call priced once
+    profile = json.loads((tmp_path / "compare.json").read_text())["profile"]
+    assert {b for b, _ in profile["draft_call"]} == {b for b, _ in profile["draft"]} == {1, 2}
 
 
 def test_every_worker_gets_the_drafter_core_however_many_engines_share_the_process():

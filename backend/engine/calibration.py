@@ -111,6 +111,17 @@ def measure_cost_profile(target: ModelRunner, proposer=None, *, batches, token_c
     return profile
 
 
+def calibration_drafter(path: str, config, dtype, *, max_batch: int, longest: int) -> Drafter:
+    """A throw-away drafter from `path`, run as `config`'s engine runs one (device, attention,
+    captured step), in this process, with a pool for :func:`time_proposing`'s `max_batch`
+    sequences and a proposal of `longest` positions."""
+    per_seq = (CONTEXT_TOKENS + 16 + longest) // BLOCK + 1
+    dcfg = ModelConfig.from_pretrained(path)
+    return Drafter.load(path, device=config.device, dtype=dtype, block_size=BLOCK,
+                        kv_cache_bytes=max_batch * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype),
+                        attention=config.attention, compile=config.compile, max_query_len=longest + 1)
+
+
 def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> CostProfile | None:
     """The cost profile mode auto's planner starts from, as ``config.planner_cost_profile`` says:
     None ("off"), a file's, or one measured now over the batch sizes and draft lengths the planner
@@ -133,12 +144,8 @@ def planner_cost_profile(config, target: ModelRunner, dtype, lending=None) -> Co
     if config.proposer is ProposerKind.NGRAM:
         proposer = NgramProposer(vocab, config.ngram_min, config.ngram_max, device=config.device)
     else:     # a throw-away in-process drafter, timed where the target runs (a worker's core is alike)
-        per_seq = (CONTEXT_TOKENS + 16 + config.gamma_max) // BLOCK + 1     # the longest proposal's too
-        dcfg = ModelConfig.from_pretrained(config.drafter)
-        proposer = Drafter.load(config.drafter, device=config.device, dtype=dtype, block_size=BLOCK,
-                                kv_cache_bytes=max(batches) * per_seq * PagedKVCache.bytes_per_block(dcfg, BLOCK, dtype),
-                                attention=config.attention, compile=config.compile,
-                                max_query_len=config.gamma_max + 1)
+        proposer = calibration_drafter(config.drafter, config, dtype, max_batch=max(batches),
+                                       longest=config.gamma_max)
     # (both proposers live in this process: nothing to stop afterwards)
     profile = measure_cost_profile(target, proposer, batches=batches, token_counts=tokens,
                                    device=config.device, dtype=dtype, reps=3,
