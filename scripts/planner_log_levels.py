@@ -10,10 +10,16 @@ confidence bound uses), in the arms' order (`arms`).
 e.g. ``--log /tmp/c1.json --configs auto --paths in-process --concurrency 1 --repeats 1``. The
 log covers the engine's whole life (the warm-ups included), in order; ``per_context`` is the
 planner's own summary at the end.
+
+Through the server (``--paths server``) the engine runs in tritonserver's process, out of this
+one's reach step by step: what its planner wrote at unload (``Planner.stats()``: its counters,
+each bin's plays and mean losses, the timeline of its decisions) is written to PATH with
+``.server`` before the suffix, one entry per configuration.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import client.bench_compare as bench_compare  # noqa: E402
 import client.bench_levels as bench_levels    # noqa: E402
+import client.dynamic_server as dynamic_server  # noqa: E402
 
 
 def logged(planner, log: list) -> None:
@@ -72,6 +79,21 @@ def main() -> int:
         return engines
 
     bench_levels.build_engines = build_logged
+    server_summaries: dict[str, dict] = {}
+    serve = dynamic_server.serving
+
+    @contextlib.contextmanager
+    def serving_and_summary(engine_config, *rest):
+        with serve(engine_config, *rest) as served:
+            yield served
+        if served.planner_summary:
+            name = f"{engine_config.get('mode', 'ar')}-{len(server_summaries)}"
+            server_summaries[name] = served.planner_summary
+            path = Path(args.log)
+            path.with_name(f"{path.stem}.server{path.suffix}").write_text(
+                json.dumps(server_summaries, default=str) + "\n")
+
+    dynamic_server.serving = serving_and_summary
     from client.cli import main as cli
     return cli(["bench", "levels", *rest])
 
