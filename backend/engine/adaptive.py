@@ -171,11 +171,15 @@ class AdaptiveController:
             if self._drafter_paused:       # the drafter model's first drafts after a pause: the catch-up's cost
                 rebuild_s = self.drafter.stats().last_catchup_s
             self._drafter_paused = False
-        elif step.decoded:
-            self._drafter_paused = True    # sequences decoded without it: it falls behind
-        # (A step that fed only prompts neither pauses the drafter nor resumes it: whatever
-        # runs next, the drafter takes those prompts when it first drafts them, a cost of
-        # speculating on them, not of switching to it.)
+        else:
+            # Sequences decoded without it, or prompts fed with nothing decoding (an idle engine
+            # woken): either way it falls behind. After an idle engine the planner takes plain
+            # decoding as current and prices speculating on the new prompts as a turn-on, their
+            # catch-up; reported as one, it is taken off the first drafting step's loss and
+            # measured for that price. Left in, it was charged twice, and through the server at
+            # concurrency 1, where every request starts an idle engine, one such step (a 4-token
+            # warm-up request's only speculative one) ranked speculation last for good.
+            self._drafter_paused = True
         # What actually ran, where it is not what was issued: no drafts verified (the drafter on
         # its way back, or nothing proposed) is plain decoding.
         ran = Decision(step.mode, plan.gamma) if step.drafted else AR
