@@ -139,9 +139,12 @@ class StepLoss:
         self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
-        unpriced = prefill_tokens > 0 and self.forward_cost.seconds_per_token is None
+        unpriced = False
         if prefill_tokens > 0:
-            wall = max(wall - self.forward_cost.prefill_seconds(prefill_tokens), 0.1 * wall)
+            prefill_s = self.forward_cost.prefill_seconds(prefill_tokens)
+            unpriced = prefill_s is None
+            if not unpriced:
+                wall = max(wall - prefill_s, 0.1 * wall)
         loss = None
         if wall > 0 and math.isfinite(wall):
             loss = wall / tokens * self.bins.norm(ctx, running)

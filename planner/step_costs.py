@@ -102,11 +102,12 @@ class ForwardCost:
         fit = self._fit(None)
         return max(fit[1], 0.0) if fit is not None else None
 
-    def prefill_seconds(self, prefill_tokens: int) -> float:
+    def prefill_seconds(self, prefill_tokens: int) -> float | None:
         """The share of a step's forward that `prefill_tokens` prompt tokens take at the cheapest
-        placement's rate: what feeding them costs whichever arm runs."""
+        placement's rate: what feeding them costs whichever arm runs (None: no line is fitted
+        yet, so the prompts have no price)."""
         slope = self.seconds_per_token
-        return slope * prefill_tokens if slope is not None and prefill_tokens > 0 else 0.0
+        return slope * prefill_tokens if slope is not None else None
 
     def per_token_at(self, b: float, b2: float, wall_per_token: float,
                      overhead: StepOverhead | None = None, cores: int | None = None) -> float | None:

@@ -1018,6 +1018,7 @@ def test_forward_cost_line_is_learned_and_prefill_is_not_charged_to_the_arm():
     fc = ForwardCost()
     rng = np.random.default_rng(0)
     assert fc.seconds_per_token is None and fc.per_token_at(8, 16, 1e-3) is None
+    assert fc.prefill_seconds(50) is None               # no line yet: the prompts have no price
     for _ in range(400):
         n = int(rng.integers(8, 200))
         fc.observe(n, 0.004 + 2e-4 * n * (1 + 0.05 * rng.standard_normal()))
