@@ -13,7 +13,10 @@ lockstep does) or inside decode steps (one request's successor at a time, once t
 finish at different steps), with the milliseconds each kind of step took; for plain decoding's
 steps without prompts, also the median time the step spent before its forward (admission, the
 planner, scheduling) and between its end and the next step's start (the planner's observation,
-the outputs).
+the outputs); for auto, the median time of its controller's own calls a step,
+`AdaptiveController.plan` (the signals' snapshot, the planner's decision, the cores' placement)
+and `AdaptiveController.observe` (the planner's and the lending choice's bookkeeping), timed
+around each call.
 """
 from __future__ import annotations
 
@@ -26,6 +29,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _timed(acc: list[float], call):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            acc.append(time.perf_counter() - t0)
+    return wrapper
 
 
 def run(engine, placement, concurrency: int) -> dict:
@@ -45,9 +58,16 @@ def run(engine, placement, concurrency: int) -> dict:
 
     prompts = load_prompts(None, concurrency * 6)
     params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True) for _ in prompts]
+    spent = {"plan": [], "observe": []} if ctl is not None else {}
+    for name, acc in spent.items():           # an instance attribute shadows the method
+        setattr(ctl, name, _timed(acc, getattr(ctl, name)))
     t0 = time.perf_counter()
-    out = engine.generate(prompts, params, on_step=on_step, max_concurrency=concurrency)
-    wall = time.perf_counter() - t0
+    try:
+        out = engine.generate(prompts, params, on_step=on_step, max_concurrency=concurrency)
+    finally:
+        wall = time.perf_counter() - t0
+        for name in spent:
+            delattr(ctl, name)
     kinds = collections.defaultdict(lambda: [0, 0.0, 0, 0])    # steps, seconds, tokens, prompt tokens
     plain = [(sched, gap) for decoded, drafted, _, _, prefill, _, sched, gap in steps
              if decoded and not drafted and not prefill]
@@ -65,6 +85,8 @@ def run(engine, placement, concurrency: int) -> dict:
     around = ({"before_forward_ms": 1e3 * statistics.median(p[0] for p in plain),
                "after_step_ms": 1e3 * statistics.median(p[1] for p in plain)} if plain else {})
     return {"tokens_per_s": sum(len(c.output_ids) for c in out) / wall, "steps": len(steps),
+            "ms_per_step": 1e3 * wall / max(len(steps), 1),
+            "controller_us": {name: 1e6 * statistics.median(v) for name, v in spent.items() if v},
             "plain_step_overhead": around,
             "kinds": {kind: {"steps": n, "ms_per_step": 1e3 * s / n, "tokens": tok, "prompt_tokens": pf}
                       for kind, (n, s, tok, pf) in sorted(kinds.items())}}
@@ -93,10 +115,13 @@ def main() -> None:
             for name, (engine, placement) in engines.items():
                 r = run(engine, placement, args.concurrency)
                 results[name].append(r)
-                o = r["plain_step_overhead"]
-                print(f"run {i + 1} {name:8s} {r['tokens_per_s']:6.0f} tok/s, {r['steps']} steps" + (
-                    f"; plain steps: {o['before_forward_ms']:.2f} ms before the forward, "
-                    f"{o['after_step_ms']:.2f} ms after the step" if o else ""), flush=True)
+                o, c = r["plain_step_overhead"], r["controller_us"]
+                print(f"run {i + 1} {name:8s} {r['tokens_per_s']:6.0f} tok/s, {r['steps']} steps, "
+                      f"{r['ms_per_step']:.2f} ms a step" + (
+                          f"; plain steps: {o['before_forward_ms']:.2f} ms before the forward, "
+                          f"{o['after_step_ms']:.2f} ms after the step" if o else "") + (
+                          f"; controller: plan {c['plan']:.0f} us, observe {c['observe']:.0f} us a step"
+                          if c else ""), flush=True)
                 for kind, k in r["kinds"].items():
                     print(f"    {kind:26s} {k['steps']:4d} steps {k['ms_per_step']:6.1f} ms a step, "
                           f"{k['prompt_tokens']:5d} prompt tokens", flush=True)
