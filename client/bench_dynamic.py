@@ -19,7 +19,9 @@ per core), because the drafter's core could serve the target instead. On a CPU h
 an offloaded drafter's bytes (weights and KV pool) become target KV blocks.
 
 In-process by default (the engine stepped by this process); ``--server`` sends the same schedule
-through a real tritonserver over gRPC, one server per configuration (`client.dynamic_server`).
+through a real tritonserver over gRPC, one server per configuration (`client.dynamic_server`),
+started on every core (the engine places its target and drafter there as above), with this
+process's client threads free to run on any of them, as a client on the same host would.
 ``--repeats N`` runs every configuration N times, interleaved (the order rotates each round, so a
 slow spell of a shared machine does not land on one configuration), and reports medians and the
 run-to-run spread. Per phase and overall: throughput, goodput (the tokens of requests that met
@@ -87,8 +89,9 @@ def add_dynamic_parser(bench_sub) -> None:
     p.set_defaults(func=run_dynamic_cli)
 
 
-def engine_config(name: str, args) -> dict:
-    """The engine configuration of one benchmark configuration (also the server's engine.json)."""
+def engine_config(name: str, args, cores: list[int]) -> dict:
+    """The engine configuration of one benchmark configuration (also the server's engine.json);
+    `cores`: the machine's, all of which ``ar_all_cores`` takes."""
     from backend.model.kv_cache import PagedKVCache
     from backend.model.config import ModelConfig
 
@@ -99,7 +102,7 @@ def engine_config(name: str, args) -> dict:
     if name == "ar":
         return cfg | {"mode": "ar", "gamma": 0}
     if name == "ar_all_cores":
-        return cfg | {"mode": "ar", "gamma": 0, "num_threads": len(os.sched_getaffinity(0))}
+        return cfg | {"mode": "ar", "gamma": 0, "num_threads": len(cores)}
     cfg |= {"drafter": str(Path(args.drafter).resolve()), "drafter_device": "cpu"}
     if name in ("sd", "psd"):
         return cfg | {"mode": name, "gamma": args.gamma}
@@ -110,16 +113,16 @@ def engine_config(name: str, args) -> dict:
     raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
 
 
-def make_engine(name: str, args):
+def make_engine(name: str, args, cores: list[int]):
     from backend.engine.engine import Engine
     from backend.engine.config import EngineConfig
-    return Engine(EngineConfig(**engine_config(name, args)))
+    return Engine(EngineConfig(**engine_config(name, args, cores)))
 
 
-def measure_capacity(args, prompts: list[str]) -> float:
+def measure_capacity(args, prompts: list[str], cores: list[int]) -> float:
     """Requests/s plain decoding sustains with 16 in flight (a quick closed-loop probe)."""
     from backend.sampling.params import SamplingParams
-    engine = make_engine("ar", args)
+    engine = make_engine("ar", args, cores)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
     engine.generate(prompts[:4], params)
     t0 = time.perf_counter()
@@ -191,11 +194,11 @@ def _planner_line(run: RunResult) -> str:
 
 
 def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
-    if args.server:
+    if args.server:      # the server on every core, as it serves users, whatever this thread's
         from client.dynamic_server import replay_on_server
-        return replay_on_server(engine_config(name, args), arrivals, bounds, args)
+        return replay_on_server(engine_config(name, args, cores), arrivals, bounds, args, cores=cores)
     os.sched_setaffinity(0, cores)     # the drafter worker picks its core from the full set
-    engine = make_engine(name, args)
+    engine = make_engine(name, args, cores)
     if name == "ar_all_cores":
         torch.set_num_threads(len(cores))
     else:
@@ -232,14 +235,15 @@ def run_dynamic_cli(args) -> int:
         json.loads(args.planner)       # fail now, not after the first runs
     prompts = load_prompts(args.prompts)
     cores = sorted(os.sched_getaffinity(0))
-    _place_target(cores)
+    if not args.server:
+        _place_target(cores)     # this thread runs the engines; through a server it is a client
     if args.capacity:
         capacity = args.capacity
     elif args.server:         # the server has costs of its own (gRPC, the Python backend)
         from client.dynamic_server import measure_capacity_on_server
-        capacity = measure_capacity_on_server(engine_config("ar", args), prompts, args)
+        capacity = measure_capacity_on_server(engine_config("ar", args, cores), prompts, args, cores)
     else:
-        capacity = measure_capacity(args, prompts)
+        capacity = measure_capacity(args, prompts, cores)
     arrivals, bounds, plan = schedule(args.shape, prompts, capacity, args.max_tokens,
                                       BASE_PHASE_S * args.scale, args.seed)
     targets = default_targets(capacity, args)

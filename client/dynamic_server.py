@@ -139,9 +139,11 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
-    """A tritonserver running `engine_config`, warmed up; yields a :class:`Served` whose
-    ``planner_summary`` is filled in once the server has stopped."""
+def serving(engine_config: dict, warmup_prompts: list[str], temperature: float,
+            cores: list[int] | None = None):
+    """A tritonserver running `engine_config`, warmed up, on `cores` (None: the calling
+    thread's); yields a :class:`Served` whose ``planner_summary`` is filled in once the server
+    has stopped."""
     from client.launcher import TritonServer, free_port
     from client.triton_client import GrpcClient
 
@@ -150,7 +152,7 @@ def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
         log_file = Path(tmp) / "tritonserver.log"
         server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(),
                               metrics_port=free_port(), host="127.0.0.1",
-                              log_file=log_file, models=[MODEL], exit_timeout_s=10)
+                              log_file=log_file, models=[MODEL], exit_timeout_s=10, cores=cores)
         server.start()
         try:
             server.wait_ready(READY_TIMEOUT_S)
@@ -167,9 +169,10 @@ def serving(engine_config: dict, warmup_prompts: list[str], temperature: float):
         served.planner_summary = read_planner_summary(repo)
 
 
-def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) -> float:
+def measure_capacity_on_server(engine_config: dict, prompts: list[str], args,
+                               cores: list[int] | None = None) -> float:
     """Requests/s the server sustains with 16 streams in flight (a quick closed-loop probe)."""
-    with serving(engine_config, prompts[:2], args.temperature) as served:
+    with serving(engine_config, prompts[:2], args.temperature, cores) as served:
         def one(p: str) -> None:
             for _ in served.client.stream(p, max_tokens=args.max_tokens, temperature=args.temperature,
                                    ignore_eos=True):
@@ -180,9 +183,11 @@ def measure_capacity_on_server(engine_config: dict, prompts: list[str], args) ->
         return 32 / (time.monotonic() - t0)
 
 
-def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2) -> RunResult:
+def replay_on_server(engine_config: dict, arrivals, bounds, args, *, scrape_s: float = 0.2,
+                     cores: list[int] | None = None) -> RunResult:
     from client.triton_client import ClientError
-    with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature) as served:
+    with serving(engine_config, [arrivals[0].prompt, arrivals[-1].prompt], args.temperature,
+                 cores) as served:
         run = _replay(served.client, served.metrics_url, arrivals, bounds, args, scrape_s, ClientError)
     run.planner_summary = served.planner_summary
     run.arm_counts = served.planner_summary.get("arm_counts", {})

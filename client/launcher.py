@@ -287,7 +287,11 @@ class TritonServer:
                  log_file: str | os.PathLike | None = None, log_verbose: int = 0,
                  exit_timeout_s: int = 30, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, models: list[str] | None = None,
-                 admin_key: str | None = None):
+                 admin_key: str | None = None, cores: list[int] | None = None):
+        """`cores`: the CPU cores the server's process may run on (None: those of the thread
+        that starts it, which a child inherits: a benchmark that pinned its own thread to one
+        core passes the machine's, or the whole server, its backend stubs and drafter workers
+        included, would share that core)."""
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise LauncherError(f"model repository {self.model_repository} is not a directory")
@@ -299,6 +303,7 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args or [])
         self.models = models
+        self.cores = sorted(cores) if cores is not None else None
         self.env = server_env(self.install, env)
         self.admin_key = resolve_admin_key(admin_key, self.env)
         self.proc: subprocess.Popen | None = None
@@ -350,10 +355,15 @@ class TritonServer:
             self._log_fh = open(self.log_file, "ab", buffering=0)
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_set_pdeathsig)
+                                     start_new_session=True, preexec_fn=self._in_child)
         self._pump = threading.Thread(target=self._pump_output, name="tritonserver-log", daemon=True)
         self._pump.start()
         return self
+
+    def _in_child(self) -> None:   # between fork and exec
+        _set_pdeathsig()
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)
 
     def _pump_output(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None

@@ -204,9 +204,10 @@ def test_plain_decoding_on_every_core_is_a_fixed_baseline(tmp_path):
     from model_factory import TINY_DRAFTER, TINY_TARGET
     args = argparse.Namespace(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), kv_blocks=64, seed=0,
                               gamma=3, gamma_max=4, planner=None)
-    cfg = engine_config("ar_all_cores", args)
-    assert cfg["mode"] == "ar" and cfg["num_threads"] == len(os.sched_getaffinity(0))
-    assert engine_config("ar", args)["num_threads"] == 1
+    cores = sorted(os.sched_getaffinity(0))
+    cfg = engine_config("ar_all_cores", args, cores)
+    assert cfg["mode"] == "ar" and cfg["num_threads"] == len(cores)
+    assert engine_config("ar", args, cores)["num_threads"] == 1
 
     def cfg_with(goodput):
         phase = {"throughput_tok_s": goodput, "goodput_tok_s": goodput, "ttft_mean_s": 1.0, "e2e_mean_s": 1.0}
@@ -216,3 +217,30 @@ def test_plain_decoding_on_every_core_is_a_fixed_baseline(tmp_path):
     r = regret(configs, 1)["adaptive"]
     assert r["goodput_vs_best_fixed"] == {"best_fixed": "ar_all_cores", "ratio": pytest.approx(0.9)}
     assert r["per_phase"][0]["goodput_tok_s"]["best_fixed"] == "ar_all_cores"
+
+
+def test_a_server_started_from_a_pinned_thread_runs_on_the_cores_it_is_given(tmp_path, tritonserver_runnable):
+    # bench dynamic pins its own thread to the target's core before it starts a server per
+    # configuration: a child inherits that one core unless the launcher is given the machine's,
+    # and then target, drafter worker and front end would all share it.
+    import os
+    from client.launcher import TritonServer, free_port
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores to pin one")
+    (tmp_path / "repo").mkdir()
+
+    def started(**kw):
+        return TritonServer(tmp_path / "repo", http_port=free_port(), grpc_port=free_port(),
+                            metrics_port=free_port(), models=[], log_file=tmp_path / "log", **kw).start()
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        given, inherited = started(cores=cores), started()
+    finally:
+        os.sched_setaffinity(0, cores)
+    try:
+        assert sorted(os.sched_getaffinity(given.proc.pid)) == cores
+        assert sorted(os.sched_getaffinity(inherited.proc.pid)) == cores[:1]
+    finally:
+        given.stop(timeout_s=20)
+        inherited.stop(timeout_s=20)
