@@ -114,7 +114,9 @@ def test_a_step_that_only_prefills_runs_on_the_drafter_cores_even_when_the_plann
 def test_a_step_that_only_prefills_runs_on_the_drafter_cores_where_plain_decoding_keeps_its_own():
     """The lending choice is plain decoding's, at its batch size: a step with nothing decoding
     (after an idle engine the planner issues plain decoding for it) feeds only prompts and runs
-    on every core, where plain decoding at batch 1 keeps to the target's own core."""
+    on every core, where plain decoding at batch 1 keeps the target's own thread, unpinned (a
+    pinned thread waits whenever a front end runs on its core)."""
+    all_cores = frozenset(os.sched_getaffinity(0))
     e = auto_engine(["ar"])
     place = e._placement
     try:
@@ -124,11 +126,12 @@ def test_a_step_that_only_prefills_runs_on_the_drafter_cores_where_plain_decodin
         assert not e.adaptive.lending.lend(1)
         seen = []
         out = e.generate(PROMPTS[:1], GREEDY, on_step=lambda _: seen.append(
-            (e.stats().last_step, place.lent, torch.get_num_threads())))
+            (e.stats().last_step, place.lent, torch.get_num_threads(), frozenset(os.sched_getaffinity(0)))))
         first, *decoding = seen
         assert first[0].num_prefill_tokens > 0 and not first[0].decoded
         assert first[1] and first[2] == 2, "the prompt ran on the target's core alone"
-        assert decoding and all(not lent and threads == 1 for _, lent, threads in decoding)
+        assert decoding and all(not lent and threads == 1 for _, lent, threads, _ in decoding)
+        assert all(cores == all_cores for *_, cores in decoding), "plain decoding pinned to the target's core"
         ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
         assert out[0].output_ids == ar.generate(PROMPTS[:1], GREEDY)[0].output_ids
     finally:

@@ -123,8 +123,9 @@ class AdaptiveController:
 
     def _lend_cores(self, decoding_batch: int | None = None) -> None:
         """Before a step that drafts nothing. A plain-decoding step (`decoding_batch`: its
-        sequences) takes the drafter's cores where lending measures faster (`lending`); a step
-        that only prefills or drafts by n-grams always does."""
+        sequences) takes the drafter's cores where lending measures faster (`lending`), and
+        otherwise keeps its own threads, unpinned (`CpuPlacement.open_drafter_cores`); a step
+        that only prefills or drafts by n-grams always lends."""
         self._ar_steps += 1
         if self.placement is None or self._ar_steps < self.LEND_AFTER_STEPS:
             return
@@ -132,7 +133,7 @@ class AdaptiveController:
         if lend:
             self.placement.lend_drafter_cores()
         else:
-            self.placement.take_back_drafter_cores()
+            self.placement.open_drafter_cores()
         self._trying_cores = (decoding_batch is not None and self.lending is not None
                               and lend != self.lending.keeps(decoding_batch))
 

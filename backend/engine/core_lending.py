@@ -7,7 +7,9 @@ that is faster: plain decoding on both cores of this host 1.2x-1.5x on one at co
 backend's stub and its IPC) runs on the same cores, and a forward split over threads waits for
 the one the front end preempts. Plain decoding on one core was the faster there at concurrency
 4 and 16 (`bench levels`, benchmarks/results/levels.json). Which holds depends on the host, the
-path and the load, so the engine measures both sides instead of assuming one.
+path and the load, so the engine measures both sides instead of assuming one. The side that
+does not lend keeps the target's thread count, unpinned (`CpuPlacement.open_drafter_cores`): a
+thread pinned to one core waits there whenever the front end runs on it.
 
 Per batch-size bin (powers of two), each side's seconds per token over whole plain-decoding
 steps: the step's cycle, which holds the gap before it in which the front end took the previous

@@ -63,6 +63,7 @@ class CpuPlacement:
             torch.set_num_threads(len(self.target_cores))
         self.target_threads = num_threads or len(self.target_cores)   # the engine sets num_threads
         self.lent = False          # the drafter's cores serve the target now
+        self.open = False          # the target's threads may run on the drafter's cores
 
     def lend_drafter_cores(self) -> None:
         """While nothing drafts (plain decoding for a while, or the drafter offloaded), the
@@ -75,26 +76,41 @@ class CpuPlacement:
     def take_back_drafter_cores(self) -> None:
         """Before the drafter drafts again: the target back on its own cores and threads."""
         if self._saved is not None:
-            self.lent = False
+            self.lent = self.open = False
+            self.place()
+
+    def open_drafter_cores(self) -> None:
+        """Plain decoding that does not lend: the target keeps its threads, but they are not
+        pinned, the drafter's idle cores open to them too. Beside a server's front end a thread
+        pinned to one core waits whenever the front end runs there; an unpinned one can move to
+        the core the front end leaves. With nothing else running it stays where it was."""
+        if self._saved is not None and set(self.drafter_cores) - set(self.target_cores):
+            self.lent, self.open = False, True
             self.place()
 
     @contextmanager
     def borrowing(self):
         """For one forward while the drafter idles (its worker waits for the next request) and
-        its cores are not lent: the drafter's cores too, then the target's own again."""
+        its cores are not lent: the drafter's cores too, then the placement it had."""
+        was_open = self.open
         self.lend_drafter_cores()
         try:
             yield
         finally:
             self.take_back_drafter_cores()
+            if was_open:
+                self.open_drafter_cores()
 
     def place(self) -> None:
         """Before a step, from the thread that runs it: that thread on the target's cores (and
-        the drafter's, while lent) with the target's threads."""
+        the drafter's, while lent or open) with the target's threads (and one more per drafter
+        core while lent)."""
         if self._saved is None:
             return
         if self.lent:
             self._apply(self.target_cores + self.drafter_cores, self.target_threads + len(self.drafter_cores))
+        elif self.open:
+            self._apply(self.target_cores + self.drafter_cores, self.target_threads)
         else:
             self._apply(self.target_cores, self.target_threads)
 
