@@ -194,7 +194,7 @@ def _planner_line(run: RunResult) -> str:
 
 
 def run_one(name: str, arrivals, bounds, args, cores: list[int]) -> RunResult:
-    if args.server:      # the server on every core, as it serves users, whatever this thread's
+    if args.server:      # the server gets every core, whatever this thread's affinity
         from client.dynamic_server import replay_on_server
         return replay_on_server(engine_config(name, args, cores), arrivals, bounds, args, cores=cores)
     os.sched_setaffinity(0, cores)     # the drafter worker picks its core from the full set
