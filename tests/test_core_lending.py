@@ -366,3 +366,25 @@ def test_the_side_plain_decoding_will_keep_is_judged_from_each_sides_first_steps
     play(choice, 4, 1, {True: 0.002, False: 0.001})
     assert choice.keeps(4) is False                         # 2 own steps, faster: own it is
     assert choice.lend(4) is False                          # (and its remaining tries are own)
+
+
+@needs_worker
+def test_a_borrowed_forward_gives_back_the_placement_it_found():
+    """Plain decoding on its own side is unpinned; a big forward borrows the drafter's cores
+    (one more thread) and then returns to that, not to the target's core alone."""
+    from backend.speculation.placement import CpuPlacement
+    all_cores = frozenset(os.sched_getaffinity(0))
+    place = CpuPlacement("cpu", 1)
+    try:
+        place.open_drafter_cores()
+        with place.borrowing():
+            assert place.lent and torch.get_num_threads() == 2
+        assert place.open and not place.lent
+        assert frozenset(os.sched_getaffinity(0)) == all_cores and torch.get_num_threads() == 1
+        place.take_back_drafter_cores()
+        with place.borrowing():
+            pass
+        assert frozenset(os.sched_getaffinity(0)) == frozenset(place.target_cores)
+    finally:
+        place.restore()
+    assert frozenset(os.sched_getaffinity(0)) == all_cores

@@ -97,9 +97,8 @@ class CpuPlacement:
         try:
             yield
         finally:
-            self.take_back_drafter_cores()
-            if was_open:
-                self.open_drafter_cores()
+            self.lent, self.open = False, was_open
+            self.place()
 
     def place(self) -> None:
         """Before a step, from the thread that runs it: that thread on the target's cores (and
