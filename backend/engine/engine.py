@@ -39,6 +39,7 @@ from backend.engine.offline import Completion, generate
 from backend.engine.outputs import EngineStats, RequestOutput
 from backend.engine.prompt_limit import default_max_prompt_bytes
 from backend.engine.requests import Requests
+from backend.engine.step_trace import StepTrace
 from backend.mode import Mode, ProposerKind
 from backend.model.kv_cache import PagedKVCache
 from backend.model.parallel import build_target_runner
@@ -133,6 +134,7 @@ class Engine:
                                       on_finish=self.adaptive.record_finish if self.adaptive is not None else None)
         self._reload_s: float | None = None         # a reload's duration, not yet reported
         self._last_work_at = time.perf_counter()     # the end of the last step that had work
+        self._trace = StepTrace.from_env()           # NIGHTDRAFT_STEP_TRACE: every step, to a file
         if self._placement is not None:     # each step pins the thread that runs it, not this one
             self._placement.release_thread()
 
@@ -154,6 +156,8 @@ class Engine:
             if proposer is not None:
                 proposer.close()
         self.runner.close()
+        if self._trace is not None:
+            self._trace.flush()
         if self._placement is not None:
             self._placement.restore()
 
@@ -242,6 +246,8 @@ class Engine:
                                        num_outputs=len(outputs) + len(committed))
         if self.adaptive is not None:
             self.adaptive.observe(plan, result, reload_s)
+        if self._trace is not None:
+            self._trace.record(result, self._placement)
         self._last_work_at = time.perf_counter()
         return outputs + committed
 

@@ -1,0 +1,70 @@
+"""Every engine step as one line of JSON: what ran, on which cores and threads, and where its time
+went. For the cases a profiler cannot follow, an engine inside a tritonserver's Python stub
+above all, where the stub's process inherits what its server was started with.
+
+    NIGHTDRAFT_STEP_TRACE=/tmp/trace nightdraft serve ...     # or any command that runs an engine
+
+Each engine process appends to ``<folder>/steps-<pid>.jsonl`` (a server's instances are
+processes of their own), in batches of ``FLUSH_EVERY`` steps and when the engine closes;
+``scripts/step_trace_summary.py`` sums such files up. Off (no cost but one ``None`` check a
+step) unless the variable is set.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from backend.speculation.placement import CpuPlacement
+from backend.step import StepResult
+
+log = logging.getLogger("nightdraft.step_trace")
+
+VARIABLE = "NIGHTDRAFT_STEP_TRACE"
+# StepResult's fields that are not numbers, or are lists: written as their own keys below.
+_SKIPPED = {"plan", "mode", "verified"}
+_NUMBERS = [f.name for f in fields(StepResult) if f.name not in _SKIPPED]
+
+
+def where(placement: CpuPlacement | None) -> str:
+    """Where the target's thread ran: `none` (no drafter worker on CPU cores: where the process
+    runs), `pinned` (the target's own cores), `open` (its own thread count on every core) or
+    `lent` (the drafter's cores too, one more thread each)."""
+    if placement is None:
+        return "none"
+    return "lent" if placement.lent else "open" if placement.open else "pinned"
+
+
+class StepTrace:
+    FLUSH_EVERY = 200
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"steps-{os.getpid()}.jsonl"
+        self._lines: list[str] = []
+        log.info("tracing every engine step to %s", self.path)
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "StepTrace | None":
+        folder = env.get(VARIABLE)
+        return cls(Path(folder)) if folder else None
+
+    def record(self, step: StepResult, placement: CpuPlacement | None) -> None:
+        line = {"t": time.time(), "mode": step.mode.value, "plan_mode": step.plan.mode.value}
+        line.update((name, getattr(step, name)) for name in _NUMBERS)
+        line.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),   # at the step's end
+                    placement=where(placement))
+        self._lines.append(json.dumps(line))
+        if len(self._lines) >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._lines:
+            with self.path.open("a") as f:
+                f.write("\n".join(self._lines) + "\n")
+            self._lines.clear()

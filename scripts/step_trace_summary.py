@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Sum up the per-step traces an engine writes with NIGHTDRAFT_STEP_TRACE set
+(backend/engine/step_trace.py): for each kind of decode step, by batch size, how many there were
+and the median milliseconds a step, a committed token and a forward, with the threads and cores
+they ran on.
+
+    .venv/bin/python scripts/step_trace_summary.py FOLDER_OR_FILE [...] [--json PATH]
+
+A kind is the mode that ran and the step's placement of the target's thread
+(`step_trace.where`: none, pinned, open, lent). A forward that runs unpinned or borrows the
+drafter's cores for its own time inside a pinned step (`PlainDecoding.alongside`) shows as
+pinned. Steps that fed only prompts are left out: their cost is the prompt's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+BUCKETS = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 10**9)]
+
+
+def bucket(batch: int) -> str:
+    for lo, hi in BUCKETS:
+        if lo <= batch <= hi:
+            return str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
+    return "0"
+
+
+def read(paths: list[Path]) -> list[dict]:
+    steps = []
+    for p in paths:
+        for f in sorted(p.glob("steps-*.jsonl")) if p.is_dir() else [p]:
+            steps += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return steps
+
+
+def summarize(steps: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for s in steps:
+        if s["num_forward_tokens"] > s["num_prefill_tokens"]:       # it decoded
+            groups[(s["mode"], s["placement"], bucket(s["batch_size"]))].append(s)
+    rows = []
+    for (mode, where, batches), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                  min(g["batch_size"] for g in kv[1]))):
+        rows.append({
+            "mode": mode, "placement": where, "batch": batches, "steps": len(group),
+            "ms_per_step": 1e3 * statistics.median(s["t_cycle_s"] for s in group),
+            "ms_per_token": 1e3 * statistics.median(s["t_cycle_s"] / max(s["tokens_committed"], 1) for s in group),
+            "forward_ms": 1e3 * statistics.median(s["t_forward_s"] for s in group),
+            "threads": sorted({s["threads"] for s in group}),
+            "cores": [list(c) for c in sorted({tuple(s["cores"]) for s in group})],
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, help="write the rows here too")
+    args = ap.parse_args(argv)
+    steps = read(args.paths)
+    if not steps:
+        print("no steps in " + ", ".join(map(str, args.paths)), file=sys.stderr)
+        return 1
+    rows = summarize(steps)
+    print(f"{len(steps)} steps; decode steps by mode, placement and batch (medians):")
+    print(f"{'mode':6} {'where':7} {'batch':>6} {'steps':>6} {'ms/step':>8} {'ms/token':>9} {'forward':>8}  threads cores")
+    for r in rows:
+        print(f"{r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['steps']:>6} {r['ms_per_step']:8.2f} "
+              f"{r['ms_per_token']:9.3f} {r['forward_ms']:8.2f}  {r['threads']} {r['cores']}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

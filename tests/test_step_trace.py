@@ -1,0 +1,86 @@
+"""NIGHTDRAFT_STEP_TRACE: every engine step as a line of JSON, in process and from inside a real
+tritonserver's stub, and the script that sums the lines up."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from backend.engine import step_trace
+from backend.engine.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.sampling.params import SamplingParams
+from model_factory import TINY_TARGET
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import step_trace_summary  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+
+
+def read_lines(folder: Path) -> tuple[list[Path], list[dict]]:
+    files = sorted(folder.glob("steps-*.jsonl"))
+    return files, [json.loads(line) for f in files for line in f.read_text().splitlines()]
+
+
+def test_every_busy_step_is_written_in_batches_and_the_rest_when_the_engine_closes(tmp_path, monkeypatch):
+    monkeypatch.setenv(step_trace.VARIABLE, str(tmp_path / "trace"))
+    monkeypatch.setattr(step_trace.StepTrace, "FLUSH_EVERY", 5)
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+    steps = []
+    try:
+        done = engine.generate(PROMPTS, PARAMS, on_step=lambda _: steps.append(engine.stats().last_step))
+        files, before_close = read_lines(tmp_path / "trace")
+        assert [f.name for f in files] == [f"steps-{os.getpid()}.jsonl"]
+        assert len(before_close) == len(steps) // 5 * 5, "not flushed in batches of FLUSH_EVERY"
+    finally:
+        engine.close()
+    _, lines = read_lines(tmp_path / "trace")
+    assert len(lines) == len(steps)
+    assert [(x["batch_size"], x["tokens_committed"], x["t_cycle_s"]) for x in lines] == \
+        [(s.batch_size, s.tokens_committed, s.t_cycle_s) for s in steps]
+    assert sum(x["tokens_committed"] for x in lines) == sum(len(c.output_ids) for c in done)
+    assert {x["mode"] for x in lines} == {"ar"} and all(x["threads"] == 1 for x in lines)
+    assert all(x["cores"] == sorted(os.sched_getaffinity(0)) for x in lines)
+
+    rows = step_trace_summary.summarize(lines)
+    decoding = [x for x in lines if x["num_forward_tokens"] > x["num_prefill_tokens"]]
+    assert decoding and sum(r["steps"] for r in rows) == len(decoding)
+    assert {(r["mode"], r["placement"]) for r in rows} == {("ar", "none")}
+    assert step_trace_summary.main([str(tmp_path / "trace"), "--json", str(tmp_path / "rows.json")]) == 0
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+
+
+def test_no_file_is_written_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(step_trace.VARIABLE, raising=False)
+    monkeypatch.chdir(tmp_path)
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+    try:
+        engine.generate(PROMPTS[:1], PARAMS)
+        assert engine._trace is None
+    finally:
+        engine.close()
+    assert list(tmp_path.rglob("steps-*.jsonl")) == []
+
+
+@pytest.mark.slow
+def test_a_tritonserver_started_with_the_variable_traces_its_engine_steps(tmp_path):
+    """The variable reaches the engine inside the server's Python stub (a process of its own),
+    whose speculative steps are written before the server exits."""
+    from conftest import nightdraft_only_server, test_engine_config
+    from client.triton_client import GrpcClient
+
+    trace = tmp_path / "trace"
+    with nightdraft_only_server(tmp_path, test_engine_config(),
+                                env=dict(os.environ, **{step_trace.VARIABLE: str(trace)})) as server:
+        client = GrpcClient(server.grpc_url)
+        results = [client.generate(p, max_tokens=PARAMS.max_tokens, temperature=0.0, ignore_eos=True)
+                   for p in PROMPTS[:2]]
+    files, lines = read_lines(trace)
+    assert files and all(f.name != f"steps-{os.getpid()}.jsonl" for f in files)
+    assert sum(x["tokens_committed"] for x in lines) == PARAMS.max_tokens * len(results)
+    assert any(x["mode"] == "sd" and x["drafted"] > 0 for x in lines)
