@@ -6,7 +6,8 @@ they ran on.
 
     .venv/bin/python scripts/step_trace_summary.py FOLDER_OR_FILE [...] [--json PATH]
 
-A kind is the mode that ran and the step's placement of the target's thread
+Rows are per engine (a process that builds several, a benchmark's configurations in process,
+numbers them from 0; a server's stub has one). A kind is the mode that ran and the step's placement of the target's thread
 (`step_trace.where`: none, pinned, open, lent). A forward that runs unpinned or borrows the
 drafter's cores for its own time inside a pinned step (`PlainDecoding.alongside`) shows as
 pinned. Steps that fed only prompts are left out: their cost is the prompt's.
@@ -42,12 +43,12 @@ def summarize(steps: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in steps:
         if s["num_forward_tokens"] > s["num_prefill_tokens"]:       # it decoded
-            groups[(s["mode"], s["placement"], bucket(s["batch_size"]))].append(s)
+            groups[(s["engine"], s["mode"], s["placement"], bucket(s["batch_size"]))].append(s)
     rows = []
-    for (mode, where, batches), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                                                  min(g["batch_size"] for g in kv[1]))):
+    for (engine, mode, where, batches), group in sorted(
+            groups.items(), key=lambda kv: (*kv[0][:3], min(g["batch_size"] for g in kv[1]))):
         rows.append({
-            "mode": mode, "placement": where, "batch": batches, "steps": len(group),
+            "engine": engine, "mode": mode, "placement": where, "batch": batches, "steps": len(group),
             "ms_per_step": 1e3 * statistics.median(s["t_cycle_s"] for s in group),
             "ms_per_token": 1e3 * statistics.median(s["t_cycle_s"] / max(s["tokens_committed"], 1) for s in group),
             "forward_ms": 1e3 * statistics.median(s["t_forward_s"] for s in group),
@@ -68,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = summarize(steps)
     print(f"{len(steps)} steps; decode steps by mode, placement and batch (medians):")
-    print(f"{'mode':6} {'where':7} {'batch':>6} {'steps':>6} {'ms/step':>8} {'ms/token':>9} {'forward':>8}  threads cores")
+    print(f"{'engine':>6} {'mode':6} {'where':7} {'batch':>6} {'steps':>6} {'ms/step':>8} {'ms/token':>9} "
+          f"{'forward':>8}  threads cores")
     for r in rows:
-        print(f"{r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['steps']:>6} {r['ms_per_step']:8.2f} "
+        print(f"{r['engine']:>6} {r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['steps']:>6} {r['ms_per_step']:8.2f} "
               f"{r['ms_per_token']:9.3f} {r['forward_ms']:8.2f}  {r['threads']} {r['cores']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -55,6 +55,27 @@ def test_every_busy_step_is_written_in_batches_and_the_rest_when_the_engine_clos
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
 
 
+def test_the_engines_one_process_builds_are_told_apart_in_its_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(step_trace.VARIABLE, str(tmp_path))
+    built = []
+    for prompts in (PROMPTS[:1], PROMPTS):
+        engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+        try:
+            steps = []
+            engine.generate(prompts, PARAMS, on_step=lambda _: steps.append(engine.stats().last_step))
+            built.append((engine._trace.engine, steps))
+        finally:
+            engine.close()
+    (first, first_steps), (second, second_steps) = built
+    assert second == first + 1
+    files, lines = read_lines(tmp_path)
+    assert len(files) == 1
+    assert [x["engine"] for x in lines] == [first] * len(first_steps) + [second] * len(second_steps)
+    rows = step_trace_summary.summarize(lines)
+    assert {r["engine"] for r in rows} == {first, second}
+    assert max(r["batch"] for r in rows if r["engine"] == first) == "1"
+
+
 def test_no_file_is_written_without_the_variable(tmp_path, monkeypatch):
     monkeypatch.delenv(step_trace.VARIABLE, raising=False)
     monkeypatch.chdir(tmp_path)

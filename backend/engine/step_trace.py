@@ -5,7 +5,8 @@ above all, where the stub's process inherits what its server was started with.
     NIGHTDRAFT_STEP_TRACE=/tmp/trace nightdraft serve ...     # or any command that runs an engine
 
 Each engine process appends to ``<folder>/steps-<pid>.jsonl`` (a server's instances are
-processes of their own), in batches of ``FLUSH_EVERY`` steps and when the engine closes;
+processes of their own; the engines one process builds one after another, a benchmark's
+configurations, are told apart by each line's ``engine``, numbered from 0), in batches of ``FLUSH_EVERY`` steps and when the engine closes;
 ``scripts/step_trace_summary.py`` sums such files up. Off (no cost but one ``None`` check a
 step) unless the variable is set.
 """
@@ -42,12 +43,15 @@ def where(placement: CpuPlacement | None) -> str:
 
 class StepTrace:
     FLUSH_EVERY = 200
+    _engines = 0           # engines traced in this process so far: each line names its engine
 
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"steps-{os.getpid()}.jsonl"
+        self.engine = StepTrace._engines
+        StepTrace._engines += 1
         self._lines: list[str] = []
-        log.info("tracing every engine step to %s", self.path)
+        log.info("tracing every step of engine %d to %s", self.engine, self.path)
 
     @classmethod
     def from_env(cls, env=os.environ) -> "StepTrace | None":
@@ -55,7 +59,8 @@ class StepTrace:
         return cls(Path(folder)) if folder else None
 
     def record(self, step: StepResult, placement: CpuPlacement | None) -> None:
-        line = {"t": time.time(), "mode": step.mode.value, "plan_mode": step.plan.mode.value}
+        line = {"t": time.time(), "engine": self.engine, "mode": step.mode.value,
+                "plan_mode": step.plan.mode.value}
         line.update((name, getattr(step, name)) for name in _NUMBERS)
         line.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),   # at the step's end
                     placement=where(placement))
