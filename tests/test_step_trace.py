@@ -76,6 +76,26 @@ def test_the_engines_one_process_builds_are_told_apart_in_its_file(tmp_path, mon
     assert max(r["batch"] for r in rows if r["engine"] == first) == "1"
 
 
+def test_a_folder_that_cannot_be_made_is_named_and_a_failed_write_ends_the_trace_not_the_step(
+        tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(step_trace.VARIABLE, str(blocker / "trace"))
+    with pytest.raises(ValueError, match=step_trace.VARIABLE):
+        Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+
+    monkeypatch.setenv(step_trace.VARIABLE, str(tmp_path / "trace"))
+    monkeypatch.setattr(step_trace.StepTrace, "FLUSH_EVERY", 2)
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+    try:
+        engine._trace.path = tmp_path / "missing" / "steps.jsonl"      # its folder is gone: every write fails
+        done = engine.generate(PROMPTS, PARAMS)
+    finally:
+        engine.close()
+    assert [len(c.output_ids) for c in done] == [PARAMS.max_tokens] * len(PROMPTS)
+    assert "tracing no more steps" in caplog.text
+
+
 def test_no_file_is_written_without_the_variable(tmp_path, monkeypatch):
     monkeypatch.delenv(step_trace.VARIABLE, raising=False)
     monkeypatch.chdir(tmp_path)

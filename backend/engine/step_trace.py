@@ -6,9 +6,11 @@ above all, where the stub's process inherits what its server was started with.
 
 Each engine process appends to ``<folder>/steps-<pid>.jsonl`` (a server's instances are
 processes of their own; the engines one process builds one after another, a benchmark's
-configurations, are told apart by each line's ``engine``, numbered from 0), in batches of ``FLUSH_EVERY`` steps and when the engine closes;
-``scripts/step_trace_summary.py`` sums such files up. Off (no cost but one ``None`` check a
-step) unless the variable is set.
+configurations, are told apart by each line's ``engine``, numbered from 0), in batches of
+``FLUSH_EVERY`` steps and when the engine closes; ``scripts/step_trace_summary.py`` sums such
+files up. Off (no cost but one ``None`` check a step) unless the variable is set. A folder that
+cannot be made fails the engine's start with the variable named; a write that fails later
+(a full disk) ends the trace with a warning, never the step that wrote it.
 """
 from __future__ import annotations
 
@@ -46,11 +48,15 @@ class StepTrace:
     _engines = 0           # engines traced in this process so far: each line names its engine
 
     def __init__(self, folder: Path):
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{VARIABLE}={folder}: cannot make that folder for the step trace: {e}") from e
         self.path = folder / f"steps-{os.getpid()}.jsonl"
         self.engine = StepTrace._engines
         StepTrace._engines += 1
         self._lines: list[str] = []
+        self.failed = False        # a write failed: nothing more is traced
         log.info("tracing every step of engine %d to %s", self.engine, self.path)
 
     @classmethod
@@ -59,6 +65,8 @@ class StepTrace:
         return cls(Path(folder)) if folder else None
 
     def record(self, step: StepResult, placement: CpuPlacement | None) -> None:
+        if self.failed:
+            return
         line = {"t": time.time(), "engine": self.engine, "mode": step.mode.value,
                 "plan_mode": step.plan.mode.value}
         line.update((name, getattr(step, name)) for name in _NUMBERS)
@@ -69,7 +77,12 @@ class StepTrace:
             self.flush()
 
     def flush(self) -> None:
-        if self._lines:
+        if not self._lines:
+            return
+        try:
             with self.path.open("a") as f:
                 f.write("\n".join(self._lines) + "\n")
-            self._lines.clear()
+        except OSError as e:
+            log.warning("step trace %s: writing failed (%s); tracing no more steps", self.path, e)
+            self.failed = True
+        self._lines.clear()
