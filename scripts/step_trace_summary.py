@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Sum up the per-step traces an engine writes with NIGHTDRAFT_STEP_TRACE set
 (backend/engine/step_trace.py): for each kind of decode step, by batch size, how many there were
-and the median milliseconds a step, a committed token and a forward, with the threads and cores
-they ran on.
+and the median milliseconds a step, a committed token and a forward, the median batch and
+context a sequence (two traces' steps in one bucket can differ in both), with the threads and
+cores they ran on.
 
     .venv/bin/python scripts/step_trace_summary.py FOLDER_OR_FILE [...] [--json PATH]
 
@@ -49,6 +50,10 @@ def summarize(steps: list[dict]) -> list[dict]:
             groups.items(), key=lambda kv: (*kv[0][:3], min(g["batch_size"] for g in kv[1]))):
         rows.append({
             "engine": engine, "mode": mode, "placement": where, "batch": batches, "steps": len(group),
+            # a bucket's batches and contexts can differ between two traces: the same bucket,
+            # a different load
+            "batch_median": statistics.median(s["batch_size"] for s in group),
+            "context_per_seq": statistics.median(s["num_context_tokens"] / s["batch_size"] for s in group),
             "ms_per_step": 1e3 * statistics.median(s["t_cycle_s"] for s in group),
             "ms_per_token": 1e3 * statistics.median(s["t_cycle_s"] / max(s["tokens_committed"], 1) for s in group),
             "forward_ms": 1e3 * statistics.median(s["t_forward_s"] for s in group),
@@ -69,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = summarize(steps)
     print(f"{len(steps)} steps; decode steps by mode, placement and batch (medians):")
-    print(f"{'engine':>6} {'mode':6} {'where':7} {'batch':>6} {'steps':>6} {'ms/step':>8} {'ms/token':>9} "
-          f"{'forward':>8}  threads cores")
+    print(f"{'engine':>6} {'mode':6} {'where':7} {'batch':>6} {'median':>6} {'ctx/seq':>7} {'steps':>6} "
+          f"{'ms/step':>8} {'ms/token':>9} {'forward':>8}  threads cores")
     for r in rows:
-        print(f"{r['engine']:>6} {r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['steps']:>6} {r['ms_per_step']:8.2f} "
+        print(f"{r['engine']:>6} {r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['batch_median']:6.1f} "
+              f"{r['context_per_seq']:7.0f} {r['steps']:>6} {r['ms_per_step']:8.2f} "
               f"{r['ms_per_token']:9.3f} {r['forward_ms']:8.2f}  {r['threads']} {r['cores']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

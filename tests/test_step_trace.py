@@ -51,6 +51,9 @@ def test_every_busy_step_is_written_in_batches_and_the_rest_when_the_engine_clos
     decoding = [x for x in lines if x["num_forward_tokens"] > x["num_prefill_tokens"]]
     assert decoding and sum(r["steps"] for r in rows) == len(decoding)
     assert {(r["mode"], r["placement"]) for r in rows} == {("ar", "none")}
+    for r in rows:       # each row's median batch lies in its bucket, its context is the prompts' and more
+        lo, _, hi = r["batch"].partition("-")
+        assert int(lo) <= r["batch_median"] <= int(hi or lo) and r["context_per_seq"] > 1
     assert step_trace_summary.main([str(tmp_path / "trace"), "--json", str(tmp_path / "rows.json")]) == 0
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
 
