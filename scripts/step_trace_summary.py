@@ -7,11 +7,14 @@ cores they ran on.
 
     .venv/bin/python scripts/step_trace_summary.py FOLDER_OR_FILE [...] [--json PATH]
 
-Rows are per engine (a process that builds several, a benchmark's configurations in process,
-numbers them from 0; a server's stub has one). A kind is the mode that ran and the step's placement of the target's thread
-(`step_trace.where`: none, pinned, open, lent). A forward that runs unpinned or borrows the
-drafter's cores for its own time inside a pinned step (`PlainDecoding.alongside`) shows as
-pinned. Steps that fed only prompts are left out: their cost is the prompt's.
+Rows are per process and engine (a folder holds a file per process: a server's stub has one
+engine; a process that builds several, a benchmark's configurations in process, numbers them
+from 0). A kind is the mode that ran and the step's
+placement of the target's thread (`step_trace.where`: none, pinned, open, lent). A forward that
+borrows the drafter's cores for its own time inside a pinned step (`PlainDecoding.alongside`)
+shows as pinned, its `forward_cores` in the file. The batch buckets are the planner's bins
+(`planner.contexts.batch_bin`), so a row reads beside the planner's `per_context` summary.
+Steps that fed only prompts are left out: their cost is the prompt's.
 """
 from __future__ import annotations
 
@@ -22,14 +25,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-BUCKETS = [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 10**9)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from planner.contexts import batch_bin  # noqa: E402
 
 
 def bucket(batch: int) -> str:
-    for lo, hi in BUCKETS:
-        if lo <= batch <= hi:
-            return str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
-    return "0"
+    lo, hi = batch_bin(batch)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def read(paths: list[Path]) -> list[dict]:
@@ -44,12 +46,11 @@ def summarize(steps: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in steps:
         if s["num_forward_tokens"] > s["num_prefill_tokens"]:       # it decoded
-            groups[(s["engine"], s["mode"], s["placement"], bucket(s["batch_size"]))].append(s)
+            groups[(s["pid"], s["engine"], s["mode"], s["placement"], batch_bin(s["batch_size"]))].append(s)
     rows = []
-    for (engine, mode, where, batches), group in sorted(
-            groups.items(), key=lambda kv: (*kv[0][:3], min(g["batch_size"] for g in kv[1]))):
+    for (pid, engine, mode, where, batches), group in sorted(groups.items()):
         rows.append({
-            "engine": engine, "mode": mode, "placement": where, "batch": batches, "steps": len(group),
+            "pid": pid, "engine": engine, "mode": mode, "placement": where, "batch": bucket(batches[0]), "steps": len(group),
             # a bucket's batches and contexts can differ between two traces: the same bucket,
             # a different load
             "batch_median": statistics.median(s["batch_size"] for s in group),
@@ -73,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no steps in " + ", ".join(map(str, args.paths)), file=sys.stderr)
         return 1
     rows = summarize(steps)
-    print(f"{len(steps)} steps; decode steps by mode, placement and batch (medians):")
-    print(f"{'engine':>6} {'mode':6} {'where':7} {'batch':>6} {'median':>6} {'ctx/seq':>7} {'steps':>6} "
+    print(f"{len(steps)} steps; decode steps by process, engine, mode, placement and batch (medians):")
+    print(f"{'pid':>7} {'engine':>6} {'mode':6} {'where':7} {'batch':>6} {'median':>6} {'ctx/seq':>7} {'steps':>6} "
           f"{'ms/step':>8} {'ms/token':>9} {'forward':>8}  threads cores")
     for r in rows:
-        print(f"{r['engine']:>6} {r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['batch_median']:6.1f} "
+        print(f"{r['pid']:>7} {r['engine']:>6} {r['mode']:6} {r['placement']:7} {r['batch']:>6} {r['batch_median']:6.1f} "
               f"{r['context_per_seq']:7.0f} {r['steps']:>6} {r['ms_per_step']:8.2f} "
               f"{r['ms_per_token']:9.3f} {r['forward_ms']:8.2f}  {r['threads']} {r['cores']}")
     if args.json:

@@ -372,7 +372,6 @@ def test_the_side_plain_decoding_will_keep_is_judged_from_each_sides_first_steps
 def test_a_borrowed_forward_gives_back_the_placement_it_found():
     """Plain decoding on its own side is unpinned; a big forward borrows the drafter's cores
     (one more thread) and then returns to that, not to the target's core alone."""
-    from backend.speculation.placement import CpuPlacement
     all_cores = frozenset(os.sched_getaffinity(0))
     place = CpuPlacement("cpu", 1)
     try:

@@ -45,6 +45,7 @@ def test_every_busy_step_is_written_in_batches_and_the_rest_when_the_engine_clos
         [(s.batch_size, s.tokens_committed, s.t_cycle_s) for s in steps]
     assert sum(x["tokens_committed"] for x in lines) == sum(len(c.output_ids) for c in done)
     assert {x["mode"] for x in lines} == {"ar"} and all(x["threads"] == 1 for x in lines)
+    assert {x["pid"] for x in lines} == {os.getpid()}
     assert all(x["cores"] == sorted(os.sched_getaffinity(0)) for x in lines)
 
     rows = step_trace_summary.summarize(lines)
@@ -112,9 +113,10 @@ def test_no_file_is_written_without_the_variable(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_tritonserver_started_with_the_variable_traces_its_engine_steps(tmp_path):
+def test_a_tritonserver_started_with_the_variable_traces_its_engine_steps(tmp_path, monkeypatch):
     """The variable reaches the engine inside the server's Python stub (a process of its own),
-    whose speculative steps are written before the server exits."""
+    whose speculative steps are written before the server exits; summed up with another
+    process's trace in the same folder, the two stay apart."""
     from conftest import nightdraft_only_server, test_engine_config
     from client.triton_client import GrpcClient
 
@@ -128,3 +130,15 @@ def test_a_tritonserver_started_with_the_variable_traces_its_engine_steps(tmp_pa
     assert files and all(f.name != f"steps-{os.getpid()}.jsonl" for f in files)
     assert sum(x["tokens_committed"] for x in lines) == PARAMS.max_tokens * len(results)
     assert any(x["mode"] == "sd" and x["drafted"] > 0 for x in lines)
+    stubs = {x["pid"] for x in lines}
+    assert stubs == {int(f.stem.removeprefix("steps-")) for f in files} and os.getpid() not in stubs
+
+    monkeypatch.setenv(step_trace.VARIABLE, str(trace))
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+    try:
+        engine.generate(PROMPTS[:1], PARAMS)
+    finally:
+        engine.close()
+    rows = step_trace_summary.summarize(step_trace_summary.read([trace]))
+    assert {r["pid"] for r in rows} == stubs | {os.getpid()}
+    assert {r["mode"] for r in rows if r["pid"] == os.getpid()} == {"ar"}

@@ -52,7 +52,8 @@ class StepTrace:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{VARIABLE}={folder}: cannot make that folder for the step trace: {e}") from e
-        self.path = folder / f"steps-{os.getpid()}.jsonl"
+        self.pid = os.getpid()
+        self.path = folder / f"steps-{self.pid}.jsonl"
         self.engine = StepTrace._engines
         StepTrace._engines += 1
         self._lines: list[str] = []
@@ -67,7 +68,7 @@ class StepTrace:
     def record(self, step: StepResult, placement: CpuPlacement | None) -> None:
         if self.failed:
             return
-        line = {"t": time.time(), "engine": self.engine, "mode": step.mode.value,
+        line = {"t": time.time(), "pid": self.pid, "engine": self.engine, "mode": step.mode.value,
                 "plan_mode": step.plan.mode.value}
         line.update((name, getattr(step, name)) for name in _NUMBERS)
         line.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),   # at the step's end
