@@ -13,7 +13,7 @@ from backend.engine import step_trace
 from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling.params import SamplingParams
-from model_factory import TINY_TARGET
+from model_factory import TINY_DRAFTER, TINY_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import step_trace_summary  # noqa: E402
@@ -133,12 +133,19 @@ def test_a_tritonserver_started_with_the_variable_traces_its_engine_steps(tmp_pa
     stubs = {x["pid"] for x in lines}
     assert stubs == {int(f.stem.removeprefix("steps-")) for f in files} and os.getpid() not in stubs
 
+    # Another process's engine number 0, running what the stub ran (SD, one sequence, no
+    # placement): only the process tells their rows apart.
     monkeypatch.setenv(step_trace.VARIABLE, str(trace))
-    engine = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20, num_threads=1))
+    monkeypatch.setattr(step_trace.StepTrace, "_engines", 0)
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="sd", gamma=4,
+                                 kv_cache_bytes=16 << 20, num_threads=1))
     try:
         engine.generate(PROMPTS[:1], PARAMS)
     finally:
         engine.close()
-    rows = step_trace_summary.summarize(step_trace_summary.read([trace]))
+    everything = step_trace_summary.read([trace])
+    rows = step_trace_summary.summarize(everything)
     assert {r["pid"] for r in rows} == stubs | {os.getpid()}
-    assert {r["mode"] for r in rows if r["pid"] == os.getpid()} == {"ar"}
+    for pid in stubs | {os.getpid()}:
+        decoded = [x for x in everything if x["pid"] == pid and x["num_forward_tokens"] > x["num_prefill_tokens"]]
+        assert sum(r["steps"] for r in rows if r["pid"] == pid) == len(decoded)
