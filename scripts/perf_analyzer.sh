@@ -81,6 +81,9 @@ fi
 
 # Input data: a few prompts, the vLLM-backend schema (genai-perf's --backend vllm sends the same).
 mkdir -p "$(dirname "$EXPORT")"
+# perf_analyzer refuses an export path that exists ("Path must not already exist") and prints its
+# whole usage: a rerun with the same -o (the default's too) replaces the previous run's export
+rm -f "$EXPORT"
 DATA="$(dirname "$EXPORT")/perf_analyzer_input.json"
 "$PY" - "$DATA" "$MODEL" "$MAXTOK" "$TEMP" "$ROOT" <<'PYEOF'
 import json, sys

@@ -464,6 +464,7 @@ def perf_analyzer_bin() -> str:
 def test_perf_analyzer_short_streaming_run(triton_server, tmp_path, perf_analyzer_bin):
     script = REPO / "scripts" / "perf_analyzer.sh"
     export = tmp_path / "pa.json"
+    export.write_text("")       # a previous run's export (or an empty one perf_analyzer left) is replaced
     env = dict(os.environ, PERF_ANALYZER=perf_analyzer_bin)
 
     def run():
@@ -478,7 +479,7 @@ def test_perf_analyzer_short_streaming_run(triton_server, tmp_path, perf_analyze
         proc, out = run()
     if proc.returncode == 3:
         pytest.skip(f"perf_analyzer cannot run here: {out.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == 0, out[:2000] + "\n[...]\n" + out[-2000:]   # perf_analyzer's reason comes first, its usage after
     assert "Throughput" in out
     assert "TTFT" in out, out[-3000:]
     data = json.loads(export.read_text())
