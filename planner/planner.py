@@ -84,6 +84,7 @@ class Planner:
         self._clock = clock
         self._decisions = {a: Decision(*a) for a in self.arms}
         self._no_psd_arms = tuple(a for a in self.arms if a[0] is not Mode.PSD) or None
+        self._psd_arms = frozenset(a for a in self.arms if a[0] is Mode.PSD)
 
         self.bins = ContextBins(cfg.context_bins, cost_profile, cfg.batch_exponent)
         self.forward_cost = ForwardCost()
@@ -227,6 +228,9 @@ class Planner:
         # not plain decoding's (SwitchCost.observe_plain).
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None
                        and self._ran_last.uses_drafter)
+        # Likewise the first PSD step after another mode carries the pipeline's fill (its
+        # sub-batch drafted in line): the switch's cost, not PSD's (SwitchCost.observe_psd).
+        filling = decision.mode is Mode.PSD and (self._ran_last is None or self._ran_last.mode is not Mode.PSD)
         # A step on cores the engine is only trying (its lending choice) is not plain
         # decoding's cost as it runs. Nor is a step whose prompts the forward's line cannot
         # price yet: in an engine's first steps, a prompt fed beside a few drafts can cost
@@ -235,7 +239,7 @@ class Planner:
         trying = decision.mode is Mode.AR and o.trying_cores
         unpriced = cost.prefill_unpriced
         if cost.loss is not None and decision.arm in self._decisions:
-            if turning_off or trying or unpriced:
+            if turning_off or filling or trying or unpriced:
                 self.bandit.count_play(ctx, decision.arm)
             else:
                 self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
@@ -246,6 +250,8 @@ class Planner:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
             self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
         elif decision.uses_drafter:
+            if decision.mode is Mode.PSD and not unpriced:
+                self._switch.observe_psd(cost.wall_s, cost.tokens, first_after_other_mode=filling)
             # Counting PSD keeps the acceptance (and the pruner's guard on it) measured while
             # the planner plays PSD alone.
             if measures_acceptance:
@@ -315,18 +321,21 @@ class Planner:
 
     def _switch_cost(self, a_from: Arm, a_to: Arm) -> float:
         """The bandit's switching cost, in loss units (summed per-token latencies): the
-        drafter's catch-up (and reload) when a drafter arm follows one without, and the first
-        plain step's extra when plain decoding follows a drafter arm. One value per step for
-        every arm (the bandit asks for each)."""
+        drafter's catch-up (and reload) when a drafter arm follows one without, the first PSD
+        step's extra (the pipeline's fill) when a PSD arm follows one of another mode, and the
+        first plain step's extra when plain decoding follows a drafter arm. One value per step
+        for every arm (the bandit asks for each)."""
         if a_from in self._drafter_arms and a_to == AR.arm:
-            return self._as_loss(max(self._switch.turn_off_s or 0.0, 0.0))
+            return self._as_loss(self._switch.turn_off.charge_s)
+        fill = (self._as_loss(self._switch.psd_fill.charge_s)
+                if a_to in self._psd_arms and a_from not in self._psd_arms else 0.0)
         if a_from in self._drafter_arms or a_to not in self._drafter_arms:
-            return 0.0
+            return fill
         step, cost = self._turn_on
         if step != self.steps:
             cost = self._as_loss(self.estimated_switch_cost_s())
             self._turn_on = (self.steps, cost)
-        return cost
+        return cost + fill
 
     def _as_loss(self, seconds: float) -> float:
         """Seconds of one step, in this bin's loss units (summed per-token latencies)."""

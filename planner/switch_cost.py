@@ -19,6 +19,14 @@ the plain steps after it (the drafter's cores change hands, a pipelined draft is
 of their time per token, at the same weight) and the planner charges it to any
 sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
 blocks between speculative ones would otherwise carry every turn-off in its own cost.
+
+Batch-parallel SD has a switch of its own: its first step after another mode has no drafts in
+hand for the sub-batch it verifies, so it drafts them in line, not overlapped (the pipeline's
+fill; through the server at concurrency 4 about +4 ms on a 6 ms step). :meth:`SwitchCost.observe_psd`
+measures that extra against the other PSD steps the same way, and the planner charges it to any
+switch into PSD from another mode instead of to PSD's mean: PSD tried in short blocks between
+sequential SD's would otherwise carry a fill in every block and rank below SD where its steady
+steps are cheaper.
 """
 from __future__ import annotations
 
@@ -34,6 +42,30 @@ def initial_rebuild_per_token(cfg: PlannerConfig, profile: CostProfile | None) -
     return profile.t_propose(bmax, 1) / bmax
 
 
+class FirstStepExtra:
+    """What the first step of a run of steps costs beyond the run's other steps: an EWMA of the
+    others' time per token, and one of the first steps' time over it (unclipped: noise averages
+    out; the planner charges only a positive mean)."""
+
+    def __init__(self, weight: float):
+        self.extra_s: float | None = None
+        self.samples = 0
+        self._weight = weight
+        self._s_per_token: float | None = None
+
+    def observe(self, wall_s: float, tokens: int, *, first: bool) -> None:
+        tokens = max(int(tokens), 1)
+        if not first:
+            self._s_per_token = ewma(self._s_per_token, wall_s / tokens, self._weight)
+        elif self._s_per_token is not None:
+            self.extra_s = ewma(self.extra_s, wall_s - tokens * self._s_per_token, self._weight)
+            self.samples += 1
+
+    @property
+    def charge_s(self) -> float:
+        return max(self.extra_s or 0.0, 0.0)
+
+
 class SwitchCost:
     def __init__(self, cfg: PlannerConfig, profile: CostProfile | None = None):
         self.rebuild_s_per_token: float | None = initial_rebuild_per_token(cfg, profile)
@@ -45,9 +77,8 @@ class SwitchCost:
         self._lag_tokens = 0                   # tokens committed while the drafter was off
         self._off_steps = 0                    # ar steps since the drafter last drafted
         self._lag_at_turn_on: int | None = None
-        self.turn_off_s: float | None = None    # the first plain step's extra after drafting
-        self.turn_off_samples = 0
-        self._plain_s_per_token: float | None = None   # the other plain steps, a token
+        self.turn_off = FirstStepExtra(cfg.cost_ewma)   # the first plain step's after drafting
+        self.psd_fill = FirstStepExtra(cfg.cost_ewma)   # the first PSD step's after another mode
 
     def lag_tokens(self) -> int:
         """Tokens the drafter would have to catch up on if turned on now."""
@@ -75,14 +106,12 @@ class SwitchCost:
     def observe_plain(self, wall_s: float, tokens: int, *, first_after_drafting: bool) -> None:
         """A plain step's wall time (less its prefill share) and tokens: the first one after a
         drafting step prices the turn-off against what the others cost a token."""
-        tokens = max(int(tokens), 1)
-        if not first_after_drafting:
-            self._plain_s_per_token = ewma(self._plain_s_per_token, wall_s / tokens, self._cfg.cost_ewma)
-        elif self._plain_s_per_token is not None:
-            # unclipped: noise averages out, and only a positive mean is charged
-            extra = wall_s - tokens * self._plain_s_per_token
-            self.turn_off_s = ewma(self.turn_off_s, extra, self._cfg.cost_ewma)
-            self.turn_off_samples += 1
+        self.turn_off.observe(wall_s, tokens, first=first_after_drafting)
+
+    def observe_psd(self, wall_s: float, tokens: int, *, first_after_other_mode: bool) -> None:
+        """A PSD step's wall time (less its prefill share) and tokens: the first one after
+        another mode prices the pipeline's fill against what the others cost a token."""
+        self.psd_fill.observe(wall_s, tokens, first=first_after_other_mode)
 
     def observe_on(self, rebuild_s: float) -> None:
         """A speculative step, with the catch-up it began with (0: none)."""
@@ -106,5 +135,6 @@ class SwitchCost:
         return {"rebuild_s_per_token": self.rebuild_s_per_token, "reload_s": self.reload_s,
                 "rebuild_samples": self.rebuild_samples, "reload_samples": self.reload_samples,
                 "lag_tokens": self.lag_tokens(), "turn_on_cost_s_now": self.estimate_s(offloaded),
-                "turn_off_s": self.turn_off_s, "turn_off_samples": self.turn_off_samples,
+                "turn_off_s": self.turn_off.extra_s, "turn_off_samples": self.turn_off.samples,
+                "psd_fill_s": self.psd_fill.extra_s, "psd_fill_samples": self.psd_fill.samples,
                 "drafter_offloaded": offloaded}

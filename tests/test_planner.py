@@ -14,7 +14,7 @@ from planner.cost_model import CostProfile, expected_tokens_per_call
 from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
 from planner.signals import LoadSignals
 
-from helpers.planner_sim import speculative_share_at_batch_1
+from helpers.planner_sim import ServerCosts, ServerSim, speculative_share_at_batch_1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1281,6 +1281,58 @@ def test_the_first_plain_step_after_drafting_prices_the_turn_off_not_plain_decod
     q = _plain_blocks_between_drafting(turn_off_s=0.0)
     assert abs(q.stats()["switch_cost"]["turn_off_s"]) < 1e-6
     assert q._switch_cost(Decision("sd", 2).arm, AR.arm) == 0.0
+
+
+def _psd_blocks_between_sd(fill_s: float, rounds: int = 40) -> Planner:
+    """sd:2 for 4 steps then psd:4 for 4, `rounds` times, at batch 4: sd steps take 8 ms for 10
+    tokens, psd steps (a sub-batch of 2) 5 ms for 8, and the first psd step after sd `fill_s`
+    more (its sub-batch drafted in line: through the server at concurrency 4 about +4 ms)."""
+    p = Planner(PlannerConfig(modes=("ar", "sd", "psd")), gamma_max=4, psd_available=True, seed=0)
+    sd, psd, t = Decision("sd", 2), Decision("psd", 4), 0.0
+    for _ in range(rounds):
+        for i, d in enumerate([sd] * 4 + [psd] * 4):
+            t += 0.005
+            p.decide(LoadSignals(batch_size=4, now=t))
+            wall, tokens, batch = (0.008, 10, 4) if d is sd else (0.005 + (fill_s if i == 4 else 0.0), 8, 2)
+            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=batch))
+    return p
+
+
+def test_the_first_psd_step_after_another_mode_prices_the_fill_not_psd():
+    """PSD tried in short blocks between sequential SD's used to carry, in its own mean, every
+    block's first step, which drafts its sub-batch in line (through the server at concurrency 4
+    PSD then ranked below SD, which it beats by a tenth); the extra is the switch's cost,
+    charged to a switch into PSD from another mode."""
+    p, q = _psd_blocks_between_sd(fill_s=0.006), _psd_blocks_between_sd(fill_s=0.0)
+    ctx = p.bins.context(LoadSignals(batch_size=4))
+    psd, sd = Decision("psd", 4).arm, Decision("sd", 2).arm
+    with_fill, without = p.bandit.measured(ctx)[psd][0], q.bandit.measured(ctx)[psd][0]
+    assert with_fill == pytest.approx(without, rel=1e-9), \
+        f"PSD's mean carries the fill: {with_fill / without:.3f}x its steady steps'"
+    assert p.stats()["switch_cost"]["psd_fill_s"] == pytest.approx(0.006, rel=0.25)
+    assert p.stats()["switch_cost"]["psd_fill_samples"] == 40 - 1    # the first block's has nothing to compare
+    assert p._switch_cost(sd, psd) > 0 and p._switch_cost(AR.arm, psd) > p._switch_cost(AR.arm, sd)
+    assert p._switch_cost(Decision("psd", 3).arm, psd) == 0.0        # a gamma change keeps the pipeline
+    assert p._switch_cost(psd, sd) == 0.0
+    assert sum(p.bandit.arm_counts().values()) == 40 * 8, "a fill step still counts as played"
+    assert abs(q.stats()["switch_cost"]["psd_fill_s"]) < 0.001
+
+
+def test_psd_that_beats_sd_but_fills_its_pipeline_on_every_entry_is_still_chosen():
+    """Through a serving path where PSD's steady steps cost about 7 % less a token than SD's at
+    batch 4 and entering PSD costs one 6 ms fill: the planner settles on PSD for every seed.
+    With the fill in PSD's mean (its short exploration blocks each carry one) three seeds of
+    eight settled on SD."""
+    costs = ServerCosts(d0=0.002)
+    best = {m: min(costs.per_token((m, g), 4) for g in range(1, 7)) for m in ("sd", "psd")}
+    assert best["psd"] < 0.95 * best["sd"]
+    shares = []
+    for seed in range(8):
+        p = Planner(gamma_max=6, psd_available=True, cost_profile=costs.calibration(), seed=seed)
+        sim = ServerSim(p, costs, seed=seed, psd_fill_s=0.006)
+        modes = Counter(sim.step(4, queue_growth=0.0)[0].mode for _ in range(1200))
+        shares.append(modes[Mode.PSD] / 1200)
+    assert min(shares) > 0.4 and np.median(shares) > 0.7, shares
 
 
 def test_a_plain_step_on_cores_only_being_tried_counts_as_played_but_not_in_the_mean():

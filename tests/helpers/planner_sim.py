@@ -60,11 +60,12 @@ class ServerSim:
     serving path's cost outside the forwards, as the engine's adaptive controller does. The
     drafter falls behind by what plain decoding commits (sequences of about `seq_tokens` tokens:
     at most that many per running sequence) and catches up at `rebuild_per_token` seconds a
-    token when a drafter arm follows."""
+    token when a drafter arm follows. The first PSD step after another mode costs `psd_fill_s`
+    more (its sub-batch drafted in line: the pipeline's fill)."""
 
     def __init__(self, planner: Planner, costs: ServerCosts, *, seed: int = 0, noise: float = 0.1,
                  report_serving: bool = True, demand_tok_s: float | None = None,
-                 rebuild_per_token: float = 2e-5, seq_tokens: int = 64):
+                 rebuild_per_token: float = 2e-5, seq_tokens: int = 64, psd_fill_s: float = 0.0):
         self.p, self.costs = planner, costs
         self.rng = np.random.default_rng(seed)
         self.noise = noise
@@ -73,6 +74,7 @@ class ServerSim:
         self.rebuild_per_token, self.seq_tokens = rebuild_per_token, seq_tokens
         self.t, self.waiting = 0.0, 0.0
         self.off_steps = 0
+        self.psd_fill_s, self._last_mode = psd_fill_s, None
 
     def step(self, batch: int, queue_growth: float = 0.05):
         self.waiting += queue_growth
@@ -96,6 +98,9 @@ class ServerSim:
         else:
             self.off_steps += 1
         wall += rebuild
+        if mode == "psd" and self._last_mode != "psd":
+            wall += self.psd_fill_s
+        self._last_mode = mode
         self.p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=responses,
                                       drafter_rebuild_s=rebuild))
         if self.report_serving:
