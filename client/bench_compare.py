@@ -136,6 +136,33 @@ def calibrate(engine, drafter_path: str, gamma: int, batches: list[int], placeme
                                 device=cfg.device, dtype=engine.dtype, reps=reps, longest_proposal=gamma)
 
 
+class FullLoad:
+    """A closed loop's tokens and time while it runs at its full concurrency: from the start
+    until fewer than `concurrency` requests are left to finish (the drain). Requests that
+    speculation lets finish at different steps leave a drain of smaller and smaller batches
+    at the end of a run, which a level held for hours never runs; plain decoding in lockstep
+    has none (its last requests finish in one step). perf_analyzer's windows, through the
+    server, are measured at full load too."""
+
+    def __init__(self, requests: int, concurrency: int):
+        self._last_at_load = requests - min(concurrency, requests)   # finished requests before the drain
+        self.finished = 0
+        self.tokens = 0
+        self.until: float | None = None     # when the drain began (None: not yet)
+
+    def observe(self, outputs, now: float) -> None:
+        """One step's outputs, and the time it ended."""
+        if self.until is not None:
+            return
+        self.tokens += sum(len(o.new_token_ids) for o in outputs)
+        self.finished += sum(1 for o in outputs if o.finished)
+        if self.finished > self._last_at_load:
+            self.until = now
+
+    def tokens_per_s(self, start: float) -> float:
+        return self.tokens / (self.until - start) if self.until is not None and self.until > start else 0.0
+
+
 def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: int,
               max_tokens: int, temperature: float) -> dict:
     from backend.sampling.params import SamplingParams
@@ -147,7 +174,10 @@ def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: 
     sums = {"draft": 0.0, "verify": 0.0, "step": 0.0, "psd_draft": 0.0, "psd_verify": 0.0,
             "psd_step": 0.0, "steps": 0}
 
-    def on_step(_outs):
+    full_load = FullLoad(len(prompts), concurrency)
+
+    def on_step(outs):
+        full_load.observe(outs, time.perf_counter())
         st = engine.stats().last_step
         sums["draft"] += st.t_draft_s
         sums["verify"] += st.t_verify_s
@@ -167,6 +197,8 @@ def run_level(engine, placement: Placement, prompts: list[str], *, concurrency: 
     calls = s1["calls"] - s0["calls"]
     return {
         "tokens_per_s": tokens / wall,
+        "tokens_per_s_at_full_load": full_load.tokens_per_s(t0),
+        "full_load_token_share": full_load.tokens / tokens if tokens else 0.0,
         "mean_latency_s": statistics.fmean(c.latency_s for c in out),
         "p99_latency_s": sorted(c.latency_s for c in out)[int(0.99 * (len(out) - 1))],
         "wall_s": wall,

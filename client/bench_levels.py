@@ -17,7 +17,11 @@ turn, the order rotating between repeats. Through the server all configurations 
 once (one tritonserver each, idle while another is measured) and measured in the same rotating
 order, by perf_analyzer (C++, light on the shared cores; the default) or by this process's gRPC
 streams (``--server-client python``); the server's throughput is its own generated-token
-counter over the measured wall time.
+counter over the measured wall time. In process a run's throughput is measured the same way,
+at full load: its tokens and time until fewer than `concurrency` requests are left to finish
+(`tokens_per_s_whole_run` keeps the whole run's, drain included; the drain is the run's end,
+not the level's load: requests that speculation lets finish at different steps end a run in
+smaller and smaller batches, which plain decoding in lockstep never runs).
 
 Each level starts with a warm-up for every configuration alike: ``--warmup-requests-per-level``
 x concurrency requests at that level's own concurrency, not counted in the table. A level is
@@ -149,7 +153,10 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
                     before, counted = _arm_counts(engine), _engine_counters(engine)
                     r = run_level(engine, placement, warmup if rep == WARMUP else prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
-                    run = _run_record("in-process", name, level, rep, r["tokens_per_s"])
+                    # at full load, as perf_analyzer measures the server (bench_compare.FullLoad)
+                    run = _run_record("in-process", name, level, rep, r["tokens_per_s_at_full_load"])
+                    run["tokens_per_s_whole_run"] = r["tokens_per_s"]
+                    run["full_load_token_share"] = r["full_load_token_share"]
                     run["mean_latency_s"] = r["mean_latency_s"]
                     if engine.planner is not None:
                         run["arm_steps"] = _steps_since(before, _arm_counts(engine))

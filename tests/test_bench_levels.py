@@ -5,9 +5,11 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from client.bench_compare import FullLoad
 from client.bench_levels import ENGINE_COUNTERS, format_table, summarise
 
 
@@ -67,6 +69,33 @@ def test_a_levels_warm_up_is_left_out_of_its_figures_and_reported_apart():
     assert "warm-up: auto/best 0.40, played sd:2:75% ar:25%" in format_table([row])
 
 
+def _outputs(tokens: int, finished: int, running: int):
+    return [SimpleNamespace(new_token_ids=[7] * tokens, finished=i < finished) for i in range(running)]
+
+
+def test_full_load_ends_when_fewer_requests_than_the_concurrency_are_left():
+    """8 requests at concurrency 4, one token a step each: requests finish at different steps
+    (as speculation lets them), and the run's throughput at full load ends with the step after
+    which fewer than 4 are left to finish; the drain's slower steps after it are not counted."""
+    load = FullLoad(requests=8, concurrency=4)
+    load.observe(_outputs(1, finished=0, running=4), now=1.0)
+    load.observe(_outputs(1, finished=2, running=4), now=2.0)     # two finish, two take their place
+    load.observe(_outputs(1, finished=2, running=4), now=3.0)     # four left: still the full load
+    assert load.until is None
+    load.observe(_outputs(1, finished=1, running=4), now=4.0)     # three left: the drain begins
+    load.observe(_outputs(1, finished=1, running=3), now=9.0)     # a slow step of the drain
+    assert (load.until, load.tokens, load.finished) == (4.0, 16, 5)
+    assert load.tokens_per_s(start=0.0) == pytest.approx(4.0)
+
+
+def test_plain_decoding_in_lockstep_runs_at_full_load_to_its_last_step():
+    load = FullLoad(requests=8, concurrency=4)
+    for step in range(6):
+        load.observe(_outputs(1, finished=4 if step in (2, 5) else 0, running=4), now=step + 1.0)
+    assert load.until == 6.0 and load.tokens == 24
+    assert FullLoad(requests=2, concurrency=4)._last_at_load == 0      # fewer requests than the concurrency
+
+
 @pytest.mark.slow
 def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, tritonserver_runnable):
     out = tmp_path / "levels.json"
@@ -82,6 +111,9 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
     assert sorted((r["path"], r["config"], r.get("warmup", False)) for r in report["runs"]) == sorted(
         (p, c, w) for p in ("in-process", "server") for c in ("ar-2dev", "sd", "auto") for w in (True, False))
     assert all(r["tokens_per_s"] > 0 for r in report["runs"])
+    # in process at full load (bench_compare.FullLoad), the whole run's beside it
+    assert all(r["tokens_per_s_whole_run"] > 0 and 0 < r["full_load_token_share"] <= 1
+               for r in report["runs"] if r["path"] == "in-process")
     # measured by perf_analyzer; a warm-up is a fixed number of requests from gRPC streams
     assert {(r["client"], r.get("warmup", False)) for r in report["runs"] if r["path"] == "server"} == {
         ("perf_analyzer", False), ("python", True)}
