@@ -21,7 +21,8 @@ counter over the measured wall time. In process a run's throughput is measured t
 at full load: its tokens and time until fewer than `concurrency` requests are left to finish
 (`tokens_per_s_whole_run` keeps the whole run's, drain included; the drain is the run's end,
 not the level's load: requests that speculation lets finish at different steps end a run in
-smaller and smaller batches, which plain decoding in lockstep never runs).
+smaller and smaller batches, which plain decoding in lockstep never runs). A warm-up, one wave
+of `concurrency` requests, is measured whole.
 
 Each level starts with a warm-up for every configuration alike: ``--warmup-requests-per-level``
 x concurrency requests at that level's own concurrency, not counted in the table. A level is
@@ -153,8 +154,11 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
                     before, counted = _arm_counts(engine), _engine_counters(engine)
                     r = run_level(engine, placement, warmup if rep == WARMUP else prompts, concurrency=level,
                                   max_tokens=args.max_tokens, temperature=args.temperature)
-                    # at full load, as perf_analyzer measures the server (bench_compare.FullLoad)
-                    run = _run_record("in-process", name, level, rep, r["tokens_per_s_at_full_load"])
+                    # at full load, as perf_analyzer measures the server (bench_compare.FullLoad);
+                    # a warm-up is one wave, at full load only until its first request finishes:
+                    # it is measured whole
+                    tok = r["tokens_per_s"] if rep == WARMUP else r["tokens_per_s_at_full_load"]
+                    run = _run_record("in-process", name, level, rep, tok)
                     run["tokens_per_s_whole_run"] = r["tokens_per_s"]
                     run["full_load_token_share"] = r["full_load_token_share"]
                     run["mean_latency_s"] = r["mean_latency_s"]

@@ -114,6 +114,8 @@ def test_bench_levels_runs_auto_beside_the_fixed_modes_on_both_paths(tmp_path, t
     # in process at full load (bench_compare.FullLoad), the whole run's beside it
     assert all(r["tokens_per_s_whole_run"] > 0 and 0 < r["full_load_token_share"] <= 1
                for r in report["runs"] if r["path"] == "in-process")
+    assert all(r["tokens_per_s"] == r["tokens_per_s_whole_run"]      # a warm-up is one wave: measured whole
+               for r in report["runs"] if r["path"] == "in-process" and r.get("warmup"))
     # measured by perf_analyzer; a warm-up is a fixed number of requests from gRPC streams
     assert {(r["client"], r.get("warmup", False)) for r in report["runs"] if r["path"] == "server"} == {
         ("perf_analyzer", False), ("python", True)}
