@@ -38,7 +38,15 @@ def read(paths: list[Path]) -> list[dict]:
     steps = []
     for p in paths:
         for f in sorted(p.glob("steps-*.jsonl")) if p.is_dir() else [p]:
-            steps += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            lines = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            # lines written before they carried the process id and the engine's number: the
+            # file's name has the process id, and such a process traced one engine
+            pid = f.stem.removeprefix("steps-")
+            for s in lines:
+                if "pid" not in s and pid.isdigit():
+                    s["pid"] = int(pid)
+                s.setdefault("engine", 0)
+            steps += lines
     return steps
 
 

@@ -59,6 +59,16 @@ def test_every_busy_step_is_written_in_batches_and_the_rest_when_the_engine_clos
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
 
 
+def test_a_trace_written_before_lines_named_their_process_and_engine_is_still_summed_up(tmp_path):
+    """Lines of an older trace have no `pid` and no `engine`: the file's name gives the process."""
+    line = {"mode": "ar", "placement": "none", "batch_size": 2, "num_forward_tokens": 2,
+            "num_prefill_tokens": 0, "num_context_tokens": 40, "tokens_committed": 2, "t_cycle_s": 0.004,
+            "t_forward_s": 0.003, "threads": 1, "cores": [0]}
+    (tmp_path / "steps-4242.jsonl").write_text(json.dumps(line) + "\n" + json.dumps(line) + "\n")
+    (row,) = step_trace_summary.summarize(step_trace_summary.read([tmp_path]))
+    assert (row["pid"], row["engine"], row["steps"]) == (4242, 0, 2)
+
+
 def test_the_engines_one_process_builds_are_told_apart_in_its_file(tmp_path, monkeypatch):
     monkeypatch.setenv(step_trace.VARIABLE, str(tmp_path))
     built = []
