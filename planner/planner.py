@@ -101,7 +101,7 @@ class Planner:
                                        prior_group=arm_mode,
                                        prior_inputs=self._prior.inputs if self._prior else None)
         self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
-        self._turn_on: tuple[int, float] = (-1, 0.0)   # (step, a turn-on's cost in loss units)
+        self._prices: tuple[int, tuple[float, float, float]] = (-1, (0.0, 0.0, 0.0))   # (step, _switch_prices())
         self._ran_last: Decision | None = None   # what the last step that decoded ran (None: idle since)
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
@@ -225,11 +225,11 @@ class Planner:
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
             forward_cores=o.forward_cores)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
-        # not plain decoding's (SwitchCost.observe_plain).
+        # not plain decoding's (SwitchCost.turn_off).
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None
                        and self._ran_last.uses_drafter)
         # Likewise the first PSD step after another mode carries the pipeline's fill (its
-        # sub-batch drafted in line): the switch's cost, not PSD's (SwitchCost.observe_psd).
+        # sub-batch drafted in line): the switch's cost, not PSD's (SwitchCost.psd_fill).
         filling = decision.mode is Mode.PSD and (self._ran_last is None or self._ran_last.mode is not Mode.PSD)
         # A step on cores the engine is only trying (its lending choice) is not plain
         # decoding's cost as it runs. Nor is a step whose prompts the forward's line cannot
@@ -248,10 +248,10 @@ class Planner:
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR and not trying and not unpriced:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
-            self._switch.observe_plain(cost.wall_s, cost.tokens, first_after_drafting=turning_off)
+            self._switch.turn_off.observe(cost.wall_s, cost.tokens, first=turning_off)
         elif decision.uses_drafter:
             if decision.mode is Mode.PSD and not unpriced:
-                self._switch.observe_psd(cost.wall_s, cost.tokens, first_after_other_mode=filling)
+                self._switch.psd_fill.observe(cost.wall_s, cost.tokens, first=filling)
             # Counting PSD keeps the acceptance (and the pruner's guard on it) measured while
             # the planner plays PSD alone.
             if measures_acceptance:
@@ -325,17 +325,24 @@ class Planner:
         step's extra (the pipeline's fill) when a PSD arm follows one of another mode, and the
         first plain step's extra when plain decoding follows a drafter arm. One value per step
         for every arm (the bandit asks for each)."""
+        turn_on, fill, turn_off = self._switch_prices()
         if a_from in self._drafter_arms and a_to == AR.arm:
-            return self._as_loss(self._switch.turn_off.charge_s)
-        fill = (self._as_loss(self._switch.psd_fill.charge_s)
-                if a_to in self._psd_arms and a_from not in self._psd_arms else 0.0)
-        if a_from in self._drafter_arms or a_to not in self._drafter_arms:
-            return fill
-        step, cost = self._turn_on
+            return turn_off
+        cost = fill if a_to in self._psd_arms and a_from not in self._psd_arms else 0.0
+        if a_to in self._drafter_arms and a_from not in self._drafter_arms:
+            cost += turn_on
+        return cost
+
+    def _switch_prices(self) -> tuple[float, float, float]:
+        """This step's turn-on, PSD fill and turn-off prices in loss units, computed once a step
+        (they are the same for every arm the bandit weighs)."""
+        step, prices = self._prices
         if step != self.steps:
-            cost = self._as_loss(self.estimated_switch_cost_s())
-            self._turn_on = (self.steps, cost)
-        return cost + fill
+            prices = (self._as_loss(self.estimated_switch_cost_s()),
+                      self._as_loss(self._switch.psd_fill.charge_s),
+                      self._as_loss(self._switch.turn_off.charge_s))
+            self._prices = (self.steps, prices)
+        return prices
 
     def _as_loss(self, seconds: float) -> float:
         """Seconds of one step, in this bin's loss units (summed per-token latencies)."""

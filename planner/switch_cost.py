@@ -15,14 +15,14 @@ else zero. The planner charges it, in loss units, to any ar -> sd/psd switch.
 Turning the drafter off costs too: the first plain step after a drafting one runs slower than
 the plain steps after it (the drafter's cores change hands, a pipelined draft is let go; on the
 2-core CPU host at batch 8, about +9 ms after PSD on a 6 ms step: ``scripts/turn_off_cost.py``).
-:meth:`SwitchCost.observe_plain` measures that extra against the other plain steps (an EWMA
-of their time per token, at the same weight) and the planner charges it to any
+``SwitchCost.turn_off`` (a :class:`FirstStepExtra`) measures that extra against the other plain
+steps (an EWMA of their time per token, at the same weight) and the planner charges it to any
 sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
 blocks between speculative ones would otherwise carry every turn-off in its own cost.
 
 Batch-parallel SD has a switch of its own: its first step after another mode has no drafts in
 hand for the sub-batch it verifies, so it drafts them in line, not overlapped (the pipeline's
-fill; through the server at concurrency 4 about +4 ms on a 6 ms step). :meth:`SwitchCost.observe_psd`
+fill; through the server at concurrency 4 about +4 ms on a 6 ms step). ``SwitchCost.psd_fill``
 measures that extra against the other PSD steps the same way, and the planner charges it to any
 switch into PSD from another mode instead of to PSD's mean: PSD tried in short blocks between
 sequential SD's would otherwise carry a fill in every block and rank below SD where its steady
@@ -102,16 +102,6 @@ class SwitchCost:
         """A plain-decoding step: the drafter falls behind by the tokens it committed."""
         self._lag_tokens += int(tokens_committed)
         self._off_steps += 1
-
-    def observe_plain(self, wall_s: float, tokens: int, *, first_after_drafting: bool) -> None:
-        """A plain step's wall time (less its prefill share) and tokens: the first one after a
-        drafting step prices the turn-off against what the others cost a token."""
-        self.turn_off.observe(wall_s, tokens, first=first_after_drafting)
-
-    def observe_psd(self, wall_s: float, tokens: int, *, first_after_other_mode: bool) -> None:
-        """A PSD step's wall time (less its prefill share) and tokens: the first one after
-        another mode prices the pipeline's fill against what the others cost a token."""
-        self.psd_fill.observe(wall_s, tokens, first=first_after_other_mode)
 
     def observe_on(self, rebuild_s: float) -> None:
         """A speculative step, with the catch-up it began with (0: none)."""

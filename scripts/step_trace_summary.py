@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner.contexts import batch_bin  # noqa: E402
 
 
-def bucket(batch: int) -> str:
-    lo, hi = batch_bin(batch)
+def label(batches: tuple[int, int]) -> str:
+    """A batch bin's name: "1", "2-3", ..."""
+    lo, hi = batches
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
@@ -58,7 +59,7 @@ def summarize(steps: list[dict]) -> list[dict]:
     rows = []
     for (pid, engine, mode, where, batches), group in sorted(groups.items()):
         rows.append({
-            "pid": pid, "engine": engine, "mode": mode, "placement": where, "batch": bucket(batches[0]), "steps": len(group),
+            "pid": pid, "engine": engine, "mode": mode, "placement": where, "batch": label(batches), "steps": len(group),
             # a bucket's batches and contexts can differ between two traces: the same bucket,
             # a different load
             "batch_median": statistics.median(s["batch_size"] for s in group),

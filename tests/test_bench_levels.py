@@ -93,7 +93,9 @@ def test_plain_decoding_in_lockstep_runs_at_full_load_to_its_last_step():
     for step in range(6):
         load.observe(_outputs(1, finished=4 if step in (2, 5) else 0, running=4), now=step + 1.0)
     assert load.until == 6.0 and load.tokens == 24
-    assert FullLoad(requests=2, concurrency=4)._last_at_load == 0      # fewer requests than the concurrency
+    fewer = FullLoad(requests=2, concurrency=4)       # fewer requests than the concurrency: the first to finish ends it
+    fewer.observe(_outputs(1, finished=1, running=2), now=1.0)
+    assert fewer.until == 1.0 and fewer.tokens == 2
 
 
 @pytest.mark.slow
