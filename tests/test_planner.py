@@ -448,6 +448,29 @@ def test_bandit_rejects_bad_arguments():
         ContextualBandit(["a"], discount=0.0)
 
 
+
+def test_bandit_means_are_the_discounted_sums_through_every_rescale(monkeypatch):
+    # A bin keeps its sums divided by the discount applied since its last rescale; rescaling
+    # every few steps here (the threshold raised) must not move what it reports.
+    from planner import bandit as bandit_module
+    monkeypatch.setattr(bandit_module._Bin, "_MIN_SCALE", 0.99)
+    arms, d = ["a", "b", "c"], 0.97
+    b = ContextualBandit(arms, discount=d, detect_min_n=10 ** 9, seed=0)
+    rng = np.random.default_rng(0)
+    n, s = {a: 0.0 for a in arms}, {a: 0.0 for a in arms}
+    for step in range(300):
+        arm, loss, w = arms[step % 3 if step < 150 else 0], float(rng.uniform(1, 2)), float(rng.uniform(0.5, 2))
+        b.update("ctx", arm, loss, w)
+        for a in arms:
+            n[a], s[a] = n[a] * d, s[a] * d
+        n[arm], s[arm] = n[arm] + w, s[arm] + w * loss
+    measured = b.measured("ctx")
+    assert set(measured) == set(arms)
+    for a in arms:
+        assert measured[a][0] == pytest.approx(s[a] / n[a], rel=1e-12)
+        assert measured[a][1] == pytest.approx(n[a], rel=1e-12)
+    assert measured["b"][1] < measured["a"][1] / 10      # 150 steps of discount on b's evidence
+
 # ---------------------------------------------------------------------------------------------
 # planner on a synthetic engine: verification compute grows with b * (gamma + 1), so speculation
 # wins when the target is idle (small batches) and loses when it is busy (large batches)
