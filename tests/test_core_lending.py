@@ -273,7 +273,7 @@ def play(choice: CoreLending, batch: int, steps: int, per_token: dict, tokens: i
 
 
 def test_the_lending_choice_tries_both_sides_then_keeps_the_faster_per_batch_size():
-    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4)
+    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4, probe_every_max=64)
     slower_lent = play(choice, 4, 8 + 8 + 10 * 64 + 4, {True: 0.002, False: 0.001})
     assert slower_lent[:16] == [True] * 8 + [False] * 8            # each side tried, lent first
     rest = slower_lent[16:]
@@ -289,7 +289,7 @@ def test_the_lending_choice_tries_both_sides_then_keeps_the_faster_per_batch_siz
 
 
 def test_the_lending_choice_follows_a_change_within_one_probe():
-    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4)
+    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4, probe_every_max=64)
     play(choice, 8, 200, {True: 0.002, False: 0.001})
     assert choice.lend(8) is False
     # the host changes: now lending is 4x faster; the next probe measures it and the choice turns
@@ -299,6 +299,30 @@ def test_the_lending_choice_follows_a_change_within_one_probe():
     tail = after[first_lent:]
     assert tail.count(False) <= 4 * (len(tail) // 64 + 1)           # own cores only in probes
     assert choice.summary()["8"]["lends"] is True
+
+
+def test_probes_that_confirm_the_choice_come_less_often_and_one_that_turns_it_resets_them():
+    choice = CoreLending(min_steps=8, probe_every=64, probe_steps=4, probe_every_max=512)
+    sides = play(choice, 8, 16 + 64 + 128 + 256 + 512 + 512, {True: 0.0005, False: 0.001})
+    starts = [i - 16 for i in range(17, len(sides)) if not sides[i] and sides[i - 1]]
+    # probe starts, counted in measured steps: the interval doubles up to its cap
+    assert starts == [64, 64 + 128, 64 + 128 + 256, 64 + 128 + 256 + 512], starts
+    assert sides[16:].count(False) == 4 * 4
+    assert choice.summary()["8"]["probe_interval"] == 512
+    # the host changes: the side not running is now the faster, which only a probe can see;
+    # the next one (at most 512 steps on) turns the choice, and the interval is back at its
+    # start, so a change back is followed as fast as before
+    after = play(choice, 8, 600, {True: 0.0005, False: 0.0002})
+    probe = after.index(False)
+    assert probe <= 512 and after[probe:probe + 4] == [False] * 4
+    lent_after = [i - probe for i, lent in enumerate(after) if lent and i > probe]
+    assert lent_after == [s + j for s in (64, 64 + 128, 64 + 128 + 256) for j in range(4)], lent_after
+    assert choice.lend(8) is False
+    # the running side growing slower turns the choice by itself, and resets the interval too
+    play(choice, 8, 8 * 64, {True: 0.0005, False: 0.0002})
+    assert choice.summary()["8"]["probe_interval"] == 512
+    play(choice, 8, 40, {True: 0.0005, False: 0.002})
+    assert choice.lend(8) is True and choice.summary()["8"]["probe_interval"] == 64
 
 
 def test_lend_drafter_cores_takes_true_false_or_measured():
