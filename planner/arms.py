@@ -8,7 +8,7 @@ decoding is always there when gamma_max is 0).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.mode import STEP_MODES, Mode
 
@@ -19,24 +19,19 @@ Arm = tuple[Mode, int]
 class Decision:
     mode: Mode   # one of STEP_MODES (a name parses)
     gamma: int   # 0 iff mode is AR
+    # Derived once: the controller reads them several times a step, right after the forward,
+    # where each property call costs (cold caches) what a few dozen do in a loop.
+    arm: Arm = field(init=False, repr=False, compare=False)
+    speculative: bool = field(init=False, repr=False, compare=False)
+    uses_drafter: bool = field(init=False, repr=False, compare=False)   # needs the drafter model
 
     def __post_init__(self):
-        object.__setattr__(self, "mode", Mode.parse(self.mode, STEP_MODES))
-        if (self.gamma == 0) != (self.mode is Mode.AR) or self.gamma < 0:
-            raise ValueError(f"gamma must be 0 iff mode is {Mode.AR.value!r} (got {self.mode.value!r}, {self.gamma})")
-
-    @property
-    def arm(self) -> Arm:
-        return (self.mode, self.gamma)
-
-    @property
-    def speculative(self) -> bool:
-        return self.mode.speculative
-
-    @property
-    def uses_drafter(self) -> bool:
-        """Does this arm need the drafter model (its catch-up, its device)?"""
-        return self.mode.uses_drafter
+        mode = Mode.parse(self.mode, STEP_MODES)
+        if (self.gamma == 0) != (mode is Mode.AR) or self.gamma < 0:
+            raise ValueError(f"gamma must be 0 iff mode is {Mode.AR.value!r} (got {mode.value!r}, {self.gamma})")
+        for name, value in (("mode", mode), ("arm", (mode, self.gamma)),
+                            ("speculative", mode.speculative), ("uses_drafter", mode.uses_drafter)):
+            object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
         return arm_str(self.arm)

@@ -183,12 +183,18 @@ class AdaptiveController:
             self._drafter_paused = True
         # What actually ran, where it is not what was issued: no drafts verified (the drafter on
         # its way back, or nothing proposed) is plain decoding.
-        ran = Decision(step.mode, plan.gamma) if step.drafted else AR
+        issued = self._issued
+        if not step.drafted:
+            ran = AR
+        elif step.mode is issued.mode and plan.gamma == issued.gamma:
+            ran = issued
+        else:
+            ran = Decision(step.mode, plan.gamma)
         matched, compared = (self.ngram_shadow.observe(self.scheduler.running)
                              if self.ngram_shadow is not None else (0, 0))
-        self.planner.observe(self._issued, StepOutcome(
+        self.planner.observe(issued, StepOutcome(
             step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
-            ran=ran if ran != self._issued else None, drafter_rebuild_s=rebuild_s,
+            ran=ran if ran is not issued and ran != issued else None, drafter_rebuild_s=rebuild_s,
             drafter_reload_s=reload_s or 0.0, memory_s=self._memory_s,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,

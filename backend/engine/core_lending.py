@@ -64,6 +64,10 @@ class _Bin:
     choice: bool | None = None  # the faster side as of the last measured step
     interval: int = 0          # measured steps from one probe's start to the next's
     since_probe: int = 0       # measured steps since the last probe started
+    # kept as each step is added: read before and after every plain step
+    fastest: bool = True       # faster()
+    known: bool = False        # each side has min_known steps ...
+    tried: bool = False        # ... and min_steps
 
     def faster(self) -> bool:
         return self.sides[True].per_token <= self.sides[False].per_token
@@ -94,10 +98,9 @@ class CoreLending:
     def lend(self, batch: int) -> bool:
         """Should a plain-decoding step of `batch` sequences run on the drafter's cores too?"""
         b = self._bin(batch)
-        for side in (True, False):
-            if b.sides[side].steps < self.min_steps:
-                return side
-        return b.probe_side if b.probe_left > 0 else b.faster()
+        if not b.tried:
+            return b.sides[True].steps < self.min_steps
+        return b.probe_side if b.probe_left > 0 else b.fastest
 
     def keeps(self, batch: int) -> bool:
         """The side plain decoding of `batch` sequences is expected to keep: the faster so far
@@ -107,9 +110,7 @@ class CoreLending:
         speculative blocks) the tries take long, and meanwhile the slower side's steps would
         make it look dearer than it will run."""
         b = self._bins.get(self._bin_of(batch))
-        if b is None or any(s.steps < self.min_known for s in b.sides.values()):
-            return True
-        return b.faster()
+        return b is None or not b.known or b.fastest
 
     def observe(self, lent: bool, batch: int, seconds: float, tokens: int) -> None:
         """One plain-decoding step that ran `lent` (or not) with `batch` sequences: its cycle's
@@ -117,13 +118,15 @@ class CoreLending:
         if not (seconds > 0 and tokens > 0):
             return
         b = self._bin(batch)
-        measuring = all(s.steps >= self.min_steps for s in b.sides.values())
+        measuring = b.tried
         b.sides[lent].add(seconds, tokens, self.forget)
+        choice = b.fastest = b.faster()
         if not measuring:
+            steps = min(b.sides[True].steps, b.sides[False].steps)
+            b.known, b.tried = steps >= self.min_known, steps >= self.min_steps
             return
         b.steps += 1
         b.since_probe += 1
-        choice = b.faster()
         if b.choice is not None and choice != b.choice:
             # turned, by a probe or by the running side's own steps
             b.interval = self.probe_every
@@ -136,8 +139,9 @@ class CoreLending:
                 b.interval = min(2 * b.interval, self.probe_every_max)
         elif b.since_probe >= b.interval:
             b.since_probe = 0
-            b.probe_left, b.probe_side = self.probe_steps, not b.faster()
+            b.probe_left, b.probe_side = self.probe_steps, not choice
             b.sides[b.probe_side].forget_costs()     # the probe's own steps decide
+            b.fastest = b.faster()
 
     def summary(self) -> dict:
         """Per bin (its smallest batch size): each side's seconds per token and steps, and the
