@@ -21,12 +21,12 @@ the bin's interval to the next, up to ``probe_every_max`` steps; when the choice
 found the other side faster, or the running side's own steps grew slower) it starts again from
 ``probe_every``: where one side is the faster for good (lending on an idle host, 1.5x at
 concurrency 16), the slower side's steps fall from 1.6 % of plain decoding's to 0.2 %, and a
-change is followed within ``probe_every_max`` steps (seconds at most). The engine leaves out the steps that are
-not plain decoding's alone to price: one that fed a prompt, one that follows a drafting step
-(the turn-off's) and the first after the placement changed. A step on the side that measures
-slower so far (:meth:`CoreLending.keeps`) is not plain decoding's cost as it will run: the
-controller tells the planner (``StepOutcome.trying_cores``), which counts the step as played
-but leaves it out of the arm's mean.
+change is followed within ``probe_every_max`` steps (seconds at most). The engine leaves out
+the steps that are not plain decoding's alone to price: one that fed a prompt, one that follows
+a drafting step (the turn-off's) and the first after the placement changed. A step on the side
+that measures slower so far (:meth:`CoreLending.keeps`) is not plain decoding's cost as it
+will run: the controller tells the planner (``StepOutcome.trying_cores``), which counts the
+step as played but leaves it out of the arm's mean.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class _Bin:
     interval: int = 0          # measured steps from one probe's start to the next's
     since_probe: int = 0       # measured steps since the last probe started
     # kept as each step is added: read before and after every plain step
-    fastest: bool = True       # faster()
+    fastest: bool = True       # faster(), as of the last step added
     known: bool = False        # each side has min_known steps ...
     tried: bool = False        # ... and min_steps
 
