@@ -251,7 +251,8 @@ class Planner:
             self._switch.turn_off.observe(cost.wall_s, cost.tokens, first=turning_off)
         elif decision.uses_drafter:
             if decision.mode is Mode.PSD and not unpriced:
-                self._switch.psd_fill.observe(cost.wall_s, cost.tokens, first=filling)
+                # in committed tokens: the fill step's are not scored, so neither are the others'
+                self._switch.psd_fill.observe(cost.wall_s, o.tokens_committed, first=filling)
             # Counting PSD keeps the acceptance (and the pruner's guard on it) measured while
             # the planner plays PSD alone.
             if measures_acceptance:

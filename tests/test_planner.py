@@ -1341,6 +1341,25 @@ def test_the_first_psd_step_after_another_mode_prices_the_fill_not_psd():
     assert abs(q.stats()["switch_cost"]["psd_fill_s"]) < 0.001
 
 
+def test_without_a_fill_psd_steps_that_cost_the_same_a_token_price_no_fill():
+    """The fill is the first PSD step's time over the later ones' time a token, in committed
+    tokens on both sides: scored (shrunk towards the gamma's yield) for the later steps only,
+    their varying tokens put a fill of their own into it."""
+    p = Planner(PlannerConfig(modes=("ar", "sd", "psd")), gamma_max=4, psd_available=True, seed=0)
+    sd, psd, t = Decision("sd", 2), Decision("psd", 4), 0.0
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for d in [sd] * 4 + [psd] * 4:
+            t += 0.005
+            p.decide(LoadSignals(batch_size=4, now=t))
+            tokens = 10 if d is sd else int(rng.integers(2, 5))     # 2-4 for a sub-batch of 2
+            wall = 0.008 if d is sd else 0.00125 * tokens            # PSD: 1.25 ms a token, always
+            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=4 if d is sd else 2))
+    fill = p.stats()["switch_cost"]["psd_fill_s"]
+    assert p.stats()["switch_cost"]["psd_fill_samples"] == 40 - 1
+    assert abs(fill) < 1e-5, f"a fill of {1e3 * fill:.3f} ms where there is none"
+
+
 def test_psd_that_beats_sd_but_fills_its_pipeline_on_every_entry_is_still_chosen():
     """Through a serving path where PSD's steady steps cost about 7 % less a token than SD's at
     batch 4 and entering PSD costs one 6 ms fill: the planner settles on PSD for every seed.
