@@ -194,7 +194,7 @@ class AdaptiveController:
                              if self.ngram_shadow is not None else (0, 0))
         self.planner.observe(issued, StepOutcome(
             step_wall_s=step.t_cycle_s, tokens_committed=step.tokens_committed, batch_size=step.batch_size,
-            ran=ran if ran is not issued and ran != issued else None, drafter_rebuild_s=rebuild_s,
+            ran=ran if ran != issued else None, drafter_rebuild_s=rebuild_s,
             drafter_reload_s=reload_s or 0.0, memory_s=self._memory_s,
             prefill_tokens=step.num_prefill_tokens - step.num_recompute_tokens,
             forward_tokens=step.num_forward_tokens, forward_s=step.t_forward_s,

@@ -61,7 +61,6 @@ class _Bin:
     steps: int = 0             # measured plain steps in this bin, both sides
     probe_left: int = 0        # steps of the slower side still to measure in the current probe ...
     probe_side: bool = False   # ... and that side
-    choice: bool | None = None  # the faster side as of the last measured step
     interval: int = 0          # measured steps from one probe's start to the next's
     since_probe: int = 0       # measured steps since the last probe started
     # kept as each step is added: read before and after every plain step
@@ -118,7 +117,7 @@ class CoreLending:
         if not (seconds > 0 and tokens > 0):
             return
         b = self._bin(batch)
-        measuring = b.tried
+        measuring, before = b.tried, b.fastest
         b.sides[lent].add(seconds, tokens, self.forget)
         choice = b.fastest = b.faster()
         if not measuring:
@@ -127,12 +126,10 @@ class CoreLending:
             return
         b.steps += 1
         b.since_probe += 1
-        if b.choice is not None and choice != b.choice:
-            # turned, by a probe or by the running side's own steps
+        if choice != before:            # turned, by a probe or by the running side's own steps
             b.interval = self.probe_every
             if b.probe_left == 0:       # the side left behind was measured just now
                 b.since_probe = 0
-        b.choice = choice
         if b.probe_left > 0:
             b.probe_left -= lent == b.probe_side
             if b.probe_left == 0 and choice != b.probe_side:      # the probe confirmed it
