@@ -22,7 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def child(build: int, run: int) -> None:
+def child(build: int, run: int, dynamic: bool) -> None:
+    import os
+    if dynamic:     # read when inductor's config is imported
+        os.environ["TORCHINDUCTOR_CPP_DYNAMIC_THREADS"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch
     from backend.engine.config import EngineConfig
@@ -46,7 +49,7 @@ def child(build: int, run: int) -> None:
                                       for _ in prompts], max_concurrency=4, on_step=on_step)
     finally:
         engine.close()
-    print(json.dumps({"build_threads": build, "run_threads": run, "steps": len(forwards),
+    print(json.dumps({"build_threads": build, "dynamic_threads": dynamic, "run_threads": run, "steps": len(forwards),
                       "median_forward_ms": 1e3 * statistics.median(forwards)}))
 
 
@@ -54,25 +57,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json")
-    ap.add_argument("--child", nargs=2, type=int, metavar=("BUILD", "RUN"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, type=int, metavar=("BUILD", "RUN", "DYNAMIC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(*args.child)
+        child(args.child[0], args.child[1], bool(args.child[2]))
         return
     rows = []
+    builds = ((1, 0), (2, 0), (1, 1))   # (threads, inductor's cpp.dynamic_threads)
+    name = {(1, 0): "built with 1", (2, 0): "built with 2", (1, 1): "built with 1, dynamic threads"}
     for run in (2, 1):
         for _ in range(args.repeats):
-            for build in (1, 2):
-                out = subprocess.run([sys.executable, __file__, "--child", str(build), str(run)],
+            for build, dynamic in builds:
+                out = subprocess.run([sys.executable, __file__, "--child", str(build), str(run), str(dynamic)],
                                      capture_output=True, text=True, check=True).stdout
                 row = json.loads(out.strip().splitlines()[-1])
                 rows.append(row)
-                print(f"built with {build}, run with {run} threads: forward {row['median_forward_ms']:.3f} ms "
+                print(f"{name[build, dynamic]}, run with {run} threads: forward {row['median_forward_ms']:.3f} ms "
                       f"(median of {row['steps']} batch-4 steps)", flush=True)
     for run in (2, 1):
-        med = {b: statistics.median(r["median_forward_ms"] for r in rows
-                                    if r["run_threads"] == run and r["build_threads"] == b) for b in (1, 2)}
-        print(f"run with {run}: built with 1 over built with 2: {med[1] / med[2]:.3f}")
+        med = {b: statistics.median(r["median_forward_ms"] for r in rows if r["run_threads"] == run
+                                    and (r["build_threads"], int(r.get("dynamic_threads", 0))) == b) for b in builds}
+        print(f"run with {run}: built with 1 / built with 2: {med[1, 0] / med[2, 0]:.3f}; "
+              f"dynamic threads / built with {run}: {med[1, 1] / med[run, 0]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
 
