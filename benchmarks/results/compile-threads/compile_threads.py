@@ -7,8 +7,10 @@ too (two threads here) after an engine built on the target's share (one).
 
 Each child process builds a plain-decoding engine (the bundled target, captured steps) with
 `build` threads, then runs `run` threads: 16 prompts x 48 greedy tokens at concurrency 4, three
-times, and reports the median forward of its batch-4 decode steps. The builds alternate (1, 2,
-1, 2, ...) for each run thread count; nothing else should be running.
+times, and reports the median forward of its batch-4 decode steps. A third build is one thread
+with inductor's `cpp.dynamic_threads` (kernels that take the thread count in force when they
+run). The builds alternate (1, 2, 1 dynamic, 1, ...) for each run thread count; nothing else
+should be running.
 """
 from __future__ import annotations
 
