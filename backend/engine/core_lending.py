@@ -58,7 +58,6 @@ class _Side:
 @dataclass
 class _Bin:
     sides: dict = field(default_factory=lambda: {True: _Side(), False: _Side()})
-    steps: int = 0             # measured plain steps in this bin, both sides
     probe_left: int = 0        # steps of the slower side still to measure in the current probe ...
     probe_side: bool = False   # ... and that side
     interval: int = 0          # measured steps from one probe's start to the next's
@@ -124,7 +123,6 @@ class CoreLending:
             steps = min(b.sides[True].steps, b.sides[False].steps)
             b.known, b.tried = steps >= self.min_known, steps >= self.min_steps
             return
-        b.steps += 1
         b.since_probe += 1
         if choice != before:            # turned, by a probe or by the running side's own steps
             b.interval = self.probe_every

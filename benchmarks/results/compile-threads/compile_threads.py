@@ -78,7 +78,7 @@ def main() -> None:
                       f"(median of {row['steps']} batch-4 steps)", flush=True)
     for run in (2, 1):
         med = {b: statistics.median(r["median_forward_ms"] for r in rows if r["run_threads"] == run
-                                    and (r["build_threads"], int(r.get("dynamic_threads", 0))) == b) for b in builds}
+                                    and (r["build_threads"], int(r["dynamic_threads"])) == b) for b in builds}
         print(f"run with {run}: built with 1 / built with 2: {med[1, 0] / med[2, 0]:.3f}; "
               f"dynamic threads / built with {run}: {med[1, 1] / med[run, 0]:.3f}")
     if args.json:
