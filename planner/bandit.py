@@ -390,6 +390,16 @@ class ContextualBandit:
         b.chosen[i] += 1
         return self._play(i)
 
+    def block_left(self, context: Context) -> int:
+        """Steps left in the block held for `context`, when that is the bin of the last
+        :meth:`select` and its block is the running arm's (else 0): for those steps,
+        ``select(context)`` with the same `allowed` returns the same arm without deciding."""
+        b = self._bins.get(context)
+        if (b is None or not self._has_last or context != self._last_ctx or b.block_arm is None
+                or self.arms[b.block_arm] != self.current):
+            return 0
+        return b.block_left
+
     def refresh(self) -> None:
         """The arms' costs moved (the caller knows why): cut every bin's evidence to
         ``shrink_to`` observations per arm, keeping the means, as for a stale bin, so blocks are

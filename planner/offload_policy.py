@@ -100,6 +100,18 @@ class OffloadPolicy:
         else:
             self._clear_since = None
 
+    def quiet_below(self) -> float | None:
+        """The KV usage under which a step, with nothing queued and no GPU figure, would change
+        nothing here but the level's decay: the level far from any threshold (under 1 %), the
+        load already fitting the base pool. None when the policy is not that quiet."""
+        if self.level >= 0.01 or self._clear_since is None:
+            return None
+        return min(self.cfg.kv_pressure, self.reload_kv_usage)
+
+    def quiet_step(self) -> None:
+        """What :meth:`update` does for a step below :meth:`quiet_below`: the level decays."""
+        self.level -= self._alpha * self.level
+
     def sustained(self, now: float) -> bool:
         return self._high_since is not None and now - self._high_since >= self.cfg.offload_after_s
 

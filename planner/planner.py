@@ -113,12 +113,14 @@ class Planner:
         self._timeline = Timeline(cfg.timeline_max, cfg.timeline_every)
 
         self.steps = 0
+        self.held_steps = 0           # of those, decided by decide_held (steady plain decoding)
         self.mode_switches = 0        # ar <-> speculative
         self.drafter_turn_ons = 0     # to a drafter arm from one without (ar, ngram)
         self._ctx: Hashable = None
         self._batch = 1
         self._current: Decision | None = None
         self._ar_since: tuple[int, float] | None = None   # (step, time) the current ar run began
+        self._allowed: tuple | None = None   # the arms the last decision was restricted to
 
     # ------------------------------------------------------------------ the step API
 
@@ -139,7 +141,8 @@ class Planner:
             d = AR
             self.bandit.assume_current(AR.arm)
         else:
-            d = self._decisions[self.bandit.select(ctx, allowed=self._restriction(ctx, signals, now))]
+            self._allowed = self._restriction(ctx, signals, now)
+            d = self._decisions[self.bandit.select(ctx, allowed=self._allowed)]
         if signals.batch_size == 0:
             self._ran_last = None           # nothing was drafting: no turn-off to price
         prev = self._current
@@ -149,6 +152,44 @@ class Planner:
             self.drafter_turn_ons += 1
             self._switch.turned_on()
         self._timeline.note(now, self.steps, d.mode, d.gamma, signals.batch_size, changed=d != prev)
+        self._current = d
+        return d
+
+    # Steps a decision may stand unread (see steady()): a whole snapshot is read at least this often.
+    STEADY_MAX = 32
+
+    def steady(self, signals: LoadSignals) -> tuple[int, float]:
+        """After :meth:`decide` on `signals`: for how many of the next steps its decision stands
+        while the load stays as it was (the same running batch, nothing waiting, no arrival, the
+        drafter where it was) and the KV pool's usage stays under the second value. For those
+        steps the caller may skip the snapshot and call :meth:`decide_held`. Only plain
+        decoding held in a bandit block qualifies, with no memory pressure anywhere near and
+        the drafter on its device: then nothing a decision reads can move but the block's
+        count, and :meth:`decide_held` returns what :meth:`decide` would, at a fraction of its
+        cost (at concurrency 1 on a CPU the whole controller is several per cent of a step).
+        (0, 0.0): decide every step."""
+        current = self._current
+        if (current is None or current.mode is not Mode.AR or signals.batch_size <= 0
+                or signals.waiting or signals.gpu_memory_fraction is not None
+                or self._drafter.offloaded or self._memory.holding_ar):
+            return 0, 0.0
+        kv_below = self._memory.policy.quiet_below()
+        if kv_below is None or signals.kv_usage >= kv_below:
+            return 0, 0.0
+        return min(self.bandit.block_left(self._ctx), self.STEADY_MAX), kv_below
+
+    def decide_held(self, now: float, drafter_lag_tokens: int | None = None) -> Decision:
+        """The decision for a step whose load the caller saw unchanged since :meth:`decide`,
+        within the steps :meth:`steady` granted: the bandit's block goes on, the pressure level
+        decays as a step without pressure decays it, and the step is counted and noted as
+        :meth:`decide` counts and notes it."""
+        self.steps += 1
+        self.held_steps += 1
+        if drafter_lag_tokens is not None:
+            self._switch.engine_lag = int(drafter_lag_tokens)
+        self._memory.policy.quiet_step()
+        d = self._decisions[self.bandit.select(self._ctx, allowed=self._allowed)]
+        self._timeline.note(now, self.steps, d.mode, d.gamma, self._batch, changed=d != self._current)
         self._current = d
         return d
 
@@ -384,6 +425,7 @@ class Planner:
         enough for a log line."""
         return {
             "steps": self.steps,
+            "held_steps": self.held_steps,
             "switches": self.bandit.switches,
             "mode_switches": self.mode_switches,
             "drafter_turn_ons": self.drafter_turn_ons,

@@ -202,3 +202,36 @@ def test_the_drafters_first_drafts_after_an_idle_engine_are_a_turn_ons_catch_up(
         assert 0.0 < first_drafts.drafter_rebuild_s < first_drafts.step_wall_s
     finally:
         engine.close()
+
+
+def test_steady_plain_decoding_skips_the_snapshot_until_the_load_moves(prompts, ar_outputs):
+    """One request decoding plainly: once the planner's block grants steady steps, the engine
+    runs them without a snapshot or a decision (Planner.decide_held); a new request ends that
+    at once, the next step deciding on a snapshot; the outputs are plain decoding's."""
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
+                                 gamma_max=4, planner={"modes": ["ar"]}))
+    planner = engine.planner
+    decided = []
+    real_decide = planner.decide
+    planner.decide = lambda signals: (decided.append(signals), real_decide(signals))[1]
+    tokens = {"a": [], "b": []}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    try:
+        engine.add_request("a", prompts[0], GREEDY)
+        while planner.held_steps < 4 or engine.adaptive._steady_left == 0:   # within a grant
+            step()
+        steps, held = planner.steps, planner.held_steps
+        assert len(decided) == steps - held, "a held step took a snapshot and decided"
+        engine.add_request("b", prompts[1], GREEDY)
+        before = len(decided)
+        step()
+        assert len(decided) == before + 1 and decided[-1].batch_size + decided[-1].waiting == 2
+        while engine.has_unfinished():
+            step()
+        assert [tokens["a"], tokens["b"]] == ar_outputs[:2]
+        assert planner.held_steps > held, "the two requests' steady steps were not held"
+    finally:
+        engine.close()

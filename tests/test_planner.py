@@ -848,8 +848,11 @@ class KVBoundEngine:
     costs; an offload takes effect at once, a reload on the next step."""
 
     def __init__(self, planner, base=8, growth=1.75, seed=0, report_growth=True,
-                 offloaded_slowdown=1.0, demand_tok_s=None):
+                 offloaded_slowdown=1.0, demand_tok_s=None, steady=False):
         self.p, self.base, self.growth = planner, base, growth
+        # steady: as the engine's controller does, skip the snapshot and call decide_held for
+        # the steps Planner.steady grants while the load (batch, queue, drafter) does not move
+        self.steady, self._steady_left, self._steady_load = steady, 0, None
         self.demand_tok_s = demand_tok_s               # what the engine's demand estimate reports
         self.offloaded_slowdown = offloaded_slowdown   # a cost the planner cannot predict
         self.rng = np.random.default_rng(seed)
@@ -866,7 +869,15 @@ class KVBoundEngine:
                         waiting_tokens=0 if self.demand_tok_s is not None else None,
                         kv_growth_if_offloaded=(self.growth if self.report_growth and not self.offloaded
                                                 else None))
-        d = self.p.decide(s)
+        load = (b, s.waiting, self.offloaded)
+        held = (self._steady_left > 0 and load == self._steady_load[0]
+                and s.kv_usage < self._steady_load[1])
+        if held:
+            self._steady_left -= 1
+            d = self.p.decide_held(s.now)
+        else:
+            self._steady_left = 0
+            d = self.p.decide(s)
         if d.speculative and self.offloaded:        # the weights come back; this step runs plainly
             self.offloaded, d_ran = False, AR
             self.reloads += 1
@@ -879,9 +890,12 @@ class KVBoundEngine:
         fed = nseq * (d_ran.gamma + 1)
         self.p.observe(d_ran, StepOutcome(step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
                        forward_tokens=fed, forward_s=t_verify(nseq, d_ran.gamma + 1)))
-        if not d_ran.speculative and not self.offloaded and self.p.wants_offload(s):
+        if not d_ran.speculative and not self.offloaded and not held and self.p.wants_offload(s):
             self.offloaded = True
             self.offloads += 1
+        elif self.steady and not held and not d.speculative:
+            self._steady_left, kv_below = self.p.steady(s)
+            self._steady_load = (load, kv_below)
         self.t += wall
         return d_ran, b
 
@@ -911,6 +925,29 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
     assert eng.reloads == 1, "the drafter did not come back when the load fitted again"
     assert np.mean([d.speculative for d in low[-500:]]) > 0.9
     assert eng.offloads == 1                  # no bouncing
+
+
+def test_steady_plain_decoding_held_without_a_snapshot_decides_exactly_as_every_step_decided():
+    # Two planners, one deciding every step and one skipping the snapshot on the steps
+    # Planner.steady grants (the engine's controller does so): through speculation, steady plain
+    # decoding, memory pressure with an offload, its reload, and plain decoding again while the
+    # pressure level decays, their decisions, offloads and every statistic are the same, and
+    # the second held most of its plain-decoding steps in both plain phases.
+    def run(steady):
+        p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+                    gamma_max=4, psd_available=False, seed=0)
+        eng = KVBoundEngine(p, base=128, steady=steady)
+        load = [2] * 200 + [80] * 600 + [200] * 400 + [2] * 300 + [80] * 600
+        return [eng.step(demand) for demand in load], (eng.offloads, eng.reloads), p
+
+    every, moves, p_every = run(False)
+    held, held_moves, p_held = run(True)
+    assert held == every and held_moves == moves
+    assert moves[0] >= 1 and moves[1] >= 1, "the pressure did not move the drafter both ways"
+    assert p_held.stats() | {"held_steps": 0} == p_every.stats()
+    assert p_held.offload_policy.level == p_every.offload_policy.level > 0
+    steady_plain = sum(not d.speculative for d, _ in every[200:800] + every[1500:])
+    assert p_every.held_steps == 0 and p_held.held_steps > 0.5 * steady_plain > 400
 
 
 def test_an_idle_engine_gets_its_drafter_back_after_reload_after_s_with_the_pressure_forgotten():

@@ -23,6 +23,7 @@ def force_arms(engine, arms: list[tuple[str, int]], hold: int = 3) -> None:
         real_decide(signals)
         return next(script)
     planner.decide = scripted
+    planner.steady = lambda signals: (0, 0.0)     # every step is scripted: none is held
 
 
 class StepModes:
