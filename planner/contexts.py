@@ -63,6 +63,12 @@ class ContextBins:
         self._ref_batch: dict[Context, float] = {}
         self._norm_cache: dict = {}
 
+    @property
+    def by_load_counts(self) -> bool:
+        """Is a context the batch size's bin (and the waiting queue's) alone, not a callable's
+        reading of any signal?"""
+        return self._fn is None
+
     def context(self, s: LoadSignals) -> Context:
         if self._fn is not None:
             ctx = self._fn(s)

@@ -54,7 +54,7 @@ from planner.arms import AR, Arm, Decision, arm_mode, arm_str, make_arms
 from planner.bandit import ContextualBandit
 from backend.mode import Mode
 from planner.config import PlannerConfig
-from planner.contexts import ContextBins, StepLoss
+from planner.contexts import ContextBins, StepLoss, batch_bin
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
 from planner.pruning import ArmPruner
@@ -121,6 +121,7 @@ class Planner:
         self._current: Decision | None = None
         self._ar_since: tuple[int, float] | None = None   # (step, time) the current ar run began
         self._allowed: tuple | None = None   # the arms the last decision was restricted to
+        self._steady_bin = (0, -1)           # the batch sizes of the context steady() last granted
 
     # ------------------------------------------------------------------ the step API
 
@@ -160,36 +161,44 @@ class Planner:
 
     def steady(self, signals: LoadSignals) -> tuple[int, float]:
         """After :meth:`decide` on `signals`: for how many of the next steps its decision stands
-        while the load stays as it was (the same running batch, nothing waiting, no arrival, the
-        drafter where it was) and the KV pool's usage stays under the second value. For those
-        steps the caller may skip the snapshot and call :meth:`decide_held`. Only plain
-        decoding held in a bandit block qualifies, with no memory pressure anywhere near and
-        the drafter on its device: then nothing a decision reads can move but the block's
-        count, and :meth:`decide_held` returns what :meth:`decide` would, at a fraction of its
-        cost (at concurrency 1 on a CPU the whole controller is several per cent of a step).
-        (0, 0.0): decide every step."""
+        while the load stays quiet (nothing waiting, the drafter where it was, the KV pool's
+        usage under the second value) and the running batch in the same bin: for those steps
+        the caller may skip the snapshot and call :meth:`decide_held`. Only plain decoding held
+        in a bandit block qualifies, with no memory pressure anywhere near, the drafter on its
+        device and the context the batch's bin: then nothing a decision reads can move but the
+        block's count and the batch inside its bin, and :meth:`decide_held` returns what
+        :meth:`decide` would, at a fraction of its cost (at concurrency 1 on a CPU the whole
+        controller is several per cent of a step). (0, 0.0): decide every step."""
         current = self._current
         if (current is None or current.mode is not Mode.AR or signals.batch_size <= 0
                 or signals.waiting or signals.gpu_memory_fraction is not None
-                or self._drafter.offloaded or self._memory.holding_ar):
+                or self._drafter.offloaded or self._memory.holding_ar or not self.bins.by_load_counts):
             return 0, 0.0
         kv_below = self._memory.policy.quiet_below()
         if kv_below is None or signals.kv_usage >= kv_below:
             return 0, 0.0
+        self._steady_bin = batch_bin(signals.batch_size)
         return min(self.bandit.block_left(self._ctx), self.STEADY_MAX), kv_below
 
-    def decide_held(self, now: float, drafter_lag_tokens: int | None = None) -> Decision:
-        """The decision for a step whose load the caller saw unchanged since :meth:`decide`,
-        within the steps :meth:`steady` granted: the bandit's block goes on, the pressure level
-        decays as a step without pressure decays it, and the step is counted and noted as
-        :meth:`decide` counts and notes it."""
+    def decide_held(self, now: float, batch_size: int,
+                    drafter_lag_tokens: int | None = None) -> Decision | None:
+        """The decision for a step whose load the caller saw quiet since :meth:`decide`, within
+        the steps :meth:`steady` granted, with `batch_size` sequences running: what
+        :meth:`decide` would return (the bandit's block goes on, the pressure level decays as a
+        step without pressure decays it, the step is counted and noted as :meth:`decide`
+        counts and notes it). None, with nothing changed, when the batch has left the bin: the
+        caller then decides on a snapshot."""
+        lo, hi = self._steady_bin
+        if not lo <= batch_size <= hi:
+            return None
         self.steps += 1
         self.held_steps += 1
+        self._batch = batch_size
         if drafter_lag_tokens is not None:
             self._switch.engine_lag = int(drafter_lag_tokens)
         self._memory.policy.quiet_step()
         d = self._decisions[self.bandit.select(self._ctx, allowed=self._allowed)]
-        self._timeline.note(now, self.steps, d.mode, d.gamma, self._batch, changed=d != self._current)
+        self._timeline.note(now, self.steps, d.mode, d.gamma, batch_size, changed=d != self._current)
         self._current = d
         return d
 

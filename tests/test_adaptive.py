@@ -204,10 +204,11 @@ def test_the_drafters_first_drafts_after_an_idle_engine_are_a_turn_ons_catch_up(
         engine.close()
 
 
-def test_steady_plain_decoding_skips_the_snapshot_until_the_load_moves(prompts, ar_outputs):
+def test_steady_plain_decoding_skips_the_snapshot_until_the_batch_leaves_its_bin(prompts, ar_outputs):
     """One request decoding plainly: once the planner's block grants steady steps, the engine
-    runs them without a snapshot or a decision (Planner.decide_held); a new request ends that
-    at once, the next step deciding on a snapshot; the outputs are plain decoding's."""
+    runs them without a snapshot or a decision (Planner.decide_held); a second request (batch
+    2, another bin) ends that at once, the next step deciding on a snapshot; the outputs are
+    plain decoding's."""
     engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
                                  gamma_max=4, planner={"modes": ["ar"]}))
     planner = engine.planner

@@ -851,7 +851,8 @@ class KVBoundEngine:
                  offloaded_slowdown=1.0, demand_tok_s=None, steady=False):
         self.p, self.base, self.growth = planner, base, growth
         # steady: as the engine's controller does, skip the snapshot and call decide_held for
-        # the steps Planner.steady grants while the load (batch, queue, drafter) does not move
+        # the steps Planner.steady grants while the load stays quiet (nothing waiting, the
+        # drafter where it was, the KV usage under the line)
         self.steady, self._steady_left, self._steady_load = steady, 0, None
         self.demand_tok_s = demand_tok_s               # what the engine's demand estimate reports
         self.offloaded_slowdown = offloaded_slowdown   # a cost the planner cannot predict
@@ -869,12 +870,13 @@ class KVBoundEngine:
                         waiting_tokens=0 if self.demand_tok_s is not None else None,
                         kv_growth_if_offloaded=(self.growth if self.report_growth and not self.offloaded
                                                 else None))
-        load = (b, s.waiting, self.offloaded)
-        held = (self._steady_left > 0 and load == self._steady_load[0]
-                and s.kv_usage < self._steady_load[1])
+        d = None
+        if (self._steady_left > 0 and not s.waiting and self.offloaded == self._steady_load[0]
+                and s.kv_usage < self._steady_load[1]):
+            d = self.p.decide_held(s.now, b)
+        held = d is not None
         if held:
             self._steady_left -= 1
-            d = self.p.decide_held(s.now)
         else:
             self._steady_left = 0
             d = self.p.decide(s)
@@ -895,7 +897,7 @@ class KVBoundEngine:
             self.offloads += 1
         elif self.steady and not held and not d.speculative:
             self._steady_left, kv_below = self.p.steady(s)
-            self._steady_load = (load, kv_below)
+            self._steady_load = (self.offloaded, kv_below)
         self.t += wall
         return d_ran, b
 
@@ -929,15 +931,16 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
 
 def test_steady_plain_decoding_held_without_a_snapshot_decides_exactly_as_every_step_decided():
     # Two planners, one deciding every step and one skipping the snapshot on the steps
-    # Planner.steady grants (the engine's controller does so): through speculation, steady plain
-    # decoding, memory pressure with an offload, its reload, and plain decoding again while the
-    # pressure level decays, their decisions, offloads and every statistic are the same, and
-    # the second held most of its plain-decoding steps in both plain phases.
+    # Planner.steady grants (the engine's controller does so): through speculation, plain
+    # decoding with the batch moving inside its bin, memory pressure with an offload, its
+    # reload, and plain decoding again while the pressure level decays and the batch crosses a
+    # bin's edge, their decisions, offloads and every statistic are the same, and the second
+    # held most of its plain-decoding steps in both plain phases.
     def run(steady):
         p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
                     gamma_max=4, psd_available=False, seed=0)
         eng = KVBoundEngine(p, base=128, steady=steady)
-        load = [2] * 200 + [80] * 600 + [200] * 400 + [2] * 300 + [80] * 600
+        load = [2] * 200 + [80, 90, 85] * 200 + [200] * 400 + [2] * 300 + [60, 60, 60, 70] * 150
         return [eng.step(demand) for demand in load], (eng.offloads, eng.reloads), p
 
     every, moves, p_every = run(False)

@@ -3,8 +3,9 @@
 snapshot (the load, the drafter and the memory as the engine sees them) -> decide (the
 planner) -> apply (the step's plan: mode and gamma; lend the drafter's memory to the KV pool,
 or take it back) -> observe (after the step: the plan it issued and the step's result: what
-actually ran, its time, what it committed). While plain decoding goes on under a load that
-does not move, the planner's block continues without the snapshot (``Planner.steady``).
+actually ran, its time, what it committed). While plain decoding goes on under a quiet load
+(nothing waiting, no memory pressure near, the batch in one bin), the planner's block continues
+without the snapshot (``Planner.steady``).
 
 The planner depends on these measurements only; it never sees the engine, and the engine reads
 nothing of the planner but its decisions. Signals from outside the engine (a server's metrics
@@ -64,10 +65,10 @@ class AdaptiveController:
         self._serving: tuple[float, int] | None = None   # the last step's own work and outputs
         self._issued: Decision = AR    # the planner's decision for the step under way
         self._memory_s = 0.0           # the drafter's memory moved for the step under way
-        # Steps the planner's last decision stands while the load does not move (Planner.steady),
-        # and the load it stands for: (running batch, arrivals so far, drafter state, KV line).
+        # Steps the planner's last decision stands while the load stays quiet (Planner.steady),
+        # and what quiet means for them: (the drafter's state, the KV usage line).
         self._steady_left = 0
-        self._steady_load: tuple[int, int, str, float] | None = None
+        self._steady_load: tuple[str, float] | None = None
 
     def record_arrival(self, seq: Sequence) -> None:
         self.signals.record_arrivals(1, time.perf_counter(), max_tokens=seq.params.max_tokens)
@@ -80,14 +81,17 @@ class AdaptiveController:
         """This step's plan, with the drafter's memory moved as the planner asks."""
         self._memory_s = 0.0
         self._trying_cores = False
-        if self._steady_left > 0 and self._load_unmoved():
-            # Plain decoding goes on under the same load: the planner's block continues, and the
+        if self._steady_left > 0 and self._load_quiet():
+            # Plain decoding goes on under a quiet load: the planner's block continues, and the
             # snapshot it would not read is not taken.
-            self._steady_left -= 1
-            self._issued = self.planner.decide_held(time.perf_counter(),
-                                                    self.drafter.lag_tokens(self.scheduler.running))
-            self._lend_cores(len(self.scheduler.running) if self._any_decoding() else None)
-            return PLAIN
+            running = self.scheduler.running
+            held = self.planner.decide_held(time.perf_counter(), len(running),
+                                            self.drafter.lag_tokens(running))
+            if held is not None:
+                self._steady_left -= 1
+                self._issued = held
+                self._lend_cores(len(running) if self._any_decoding() else None)
+                return PLAIN
         self._steady_left = 0
         signals = self._snapshot()
         decision = self._issued = self.planner.decide(signals)
@@ -115,16 +119,15 @@ class AdaptiveController:
         if self.extra_signals is None and not self._memory_s:
             # (a server's signals can move while the engine's load does not: decide every step)
             self._steady_left, kv_below = self.planner.steady(signals)
-            self._steady_load = (signals.batch_size, self.signals.total_arrivals, self.drafter.state, kv_below)
+            self._steady_load = (self.drafter.state, kv_below)
         return PLAIN
 
-    def _load_unmoved(self) -> bool:
-        """Is the load as it was when the planner granted its steady steps?"""
-        batch, arrivals, drafter_state, kv_below = self._steady_load
-        scheduler = self.scheduler
-        return (len(scheduler.running) == batch and not scheduler.waiting
-                and self.signals.total_arrivals == arrivals and self.drafter.state == drafter_state
-                and self.kv.usage() < kv_below)
+    def _load_quiet(self) -> bool:
+        """Is the load still as quiet as when the planner granted its steady steps: nothing
+        waiting, the drafter where it was, the KV pool under the line? (The batch's bin is the
+        planner's to check.)"""
+        drafter_state, kv_below = self._steady_load
+        return not self.scheduler.waiting and self.drafter.state == drafter_state and self.kv.usage() < kv_below
 
     def _move_memory(self, move) -> None:
         """Offload the drafter (the KV pool grows) or start its reload (the pool shrinks back),
