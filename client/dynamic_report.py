@@ -94,11 +94,32 @@ def mode_shares(timeline: list[dict], start: float, end: float) -> dict[str, flo
     return {k: v / total for k, v in sorted(spent.items())} if total > 0 else {}
 
 
+def met_by_quarter(records: list[Record], start: float, end: float,
+                   targets: Targets = Targets()) -> list[float | None]:
+    """Of the requests that arrived in each quarter of [start, end), the share that met the
+    goodput targets (None: none arrived then). Under a step of overload the early arrivals
+    can still meet a TTFT target and the late ones cannot: this tells a configuration that
+    lost its goodput at the step (a slow reaction) from one that lost it to the queue after."""
+    quarter = (end - start) / 4
+    met, seen = [0] * 4, [0] * 4
+    for r in records:
+        if quarter <= 0 or not start <= r.arrival < end:
+            continue
+        q = min(int((r.arrival - start) / quarter), 3)
+        seen[q] += 1
+        ok = (r.finish is not None and r.error is None and r.first_token is not None
+              and targets.met(r.first_token - r.arrival, _tpot(r)))
+        met[q] += ok
+    return [m / n if n else None for m, n in zip(met, seen)]
+
+
 def summarise(run: RunResult, targets: Targets = Targets()) -> dict:
     phases = []
     for i, (lo, hi) in enumerate(run.phase_bounds):
-        m = request_metrics([r for r in run.records if r.phase == i], lo, hi, targets)
+        records = [r for r in run.records if r.phase == i]
+        m = request_metrics(records, lo, hi, targets)
         m["mode_shares"] = mode_shares(run.timeline, lo, hi)
+        m["met_by_quarter"] = met_by_quarter(records, lo, hi, targets)
         phases.append(m)
     first = min((r.arrival for r in run.records), default=0.0)
     overall = request_metrics(run.records, first, targets=targets)

@@ -43,6 +43,16 @@ def test_goodput_counts_only_requests_that_met_both_targets():
     assert summarise(RunResult(records, [(0.0, 2.0)]))["phases"][0]["goodput_tok_s"] == m["throughput_tok_s"]
 
 
+def test_each_quarter_of_a_phase_reports_the_share_of_its_arrivals_that_met_the_targets():
+    targets = Targets(ttft_s=0.5, tpot_s=0.2)
+    records = [Record(0, 0.5, 0.7, 1.7, 11),        # 1st quarter: meets both
+               Record(0, 1.0, 1.9, 2.9, 11),        # 1st quarter: TTFT 0.9, too late
+               Record(0, 2.5, 2.6, 3.6, 11),        # 2nd quarter: meets both
+               Record(0, 7.9, None, None, 0, error="boom")]   # 4th quarter: failed
+    s = summarise(RunResult(records, [(0.0, 8.0)]), targets)
+    assert s["phases"][0]["met_by_quarter"] == [0.5, 1.0, None, 0.0]
+
+
 def test_mode_shares_are_time_weighted_within_the_phase():
     tl = [{"t": 0.0, "mode": "sd", "gamma": 3}, {"t": 1.0, "mode": "ar", "gamma": 0},
           {"t": 4.0, "mode": "psd", "gamma": 2}]
