@@ -129,7 +129,8 @@ def test_planner_gauges_move_with_the_load(auto_server):
     assert 0 in gammas and any(g > 0 for g in gammas), f"gamma gauge never moved: {gammas}"
     assert 1.0 in watch.seen("nightdraft_pipeline_mode{mode=ar}")
     assert 1.0 in watch.seen("nightdraft_pipeline_mode{mode=sd}")
-    assert 1.0 in watch.seen("nightdraft_drafter_state{state=offloaded}"), "never offloaded"
+    assert 1.0 in watch.seen("nightdraft_drafter_state{state=offloaded}"), (
+        f"never offloaded (state, offloads, reloads, failures as scraped: {watch.drafter_timeline()})")
     assert 1.0 in watch.seen("nightdraft_drafter_state{state=on_device}")
     assert max(watch.seen("nightdraft_kv_cache_total_blocks")) > base_blocks, "the KV pool never grew"
     assert watch.latest("nightdraft_drafter_offloads_total") >= 1
