@@ -163,16 +163,15 @@ class Planner:
         """After :meth:`decide` on `signals`: for how many of the next steps its decision stands
         while the load stays quiet (nothing waiting, the drafter where it was, the KV pool's
         usage under the second value) and the running batch in the same bin: for those steps
-        the caller may skip the snapshot and call :meth:`decide_held`. Only plain decoding held
-        in a bandit block qualifies, with no memory pressure anywhere near, the drafter on its
-        device and the context the batch's bin: then nothing a decision reads can move but the
-        block's count and the batch inside its bin, and :meth:`decide_held` returns what
-        :meth:`decide` would, at a fraction of its cost (at concurrency 1 on a CPU the whole
-        controller is several per cent of a step). (0, 0.0): decide every step."""
-        current = self._current
-        if (current is None or current.mode is not Mode.AR or signals.batch_size <= 0
-                or signals.waiting or signals.gpu_memory_fraction is not None
-                or self._drafter.offloaded or self._memory.holding_ar or not self.bins.by_load_counts):
+        the caller may skip the snapshot and call :meth:`decide_held`. A decision held in a
+        bandit block qualifies, with no memory pressure anywhere near, the drafter on its device
+        and the context the batch's bin: then nothing a decision reads can move but the block's
+        count and the batch inside its bin, and :meth:`decide_held` returns what :meth:`decide`
+        would, at a fraction of its cost (at concurrency 1 on a CPU the whole controller is
+        several per cent of a step). (0, 0.0): decide every step."""
+        if (self._current is None or signals.batch_size <= 0 or signals.waiting
+                or signals.gpu_memory_fraction is not None or self._drafter.offloaded
+                or self._memory.holding_ar or not self.bins.by_load_counts):
             return 0, 0.0
         kv_below = self._memory.policy.quiet_below()
         if kv_below is None or signals.kv_usage >= kv_below:
@@ -197,6 +196,7 @@ class Planner:
         if drafter_lag_tokens is not None:
             self._switch.engine_lag = int(drafter_lag_tokens)
         self._memory.policy.quiet_step()
+        self._acceptance.alpha()            # as the restriction reads it: its cache ages the same
         d = self._decisions[self.bandit.select(self._ctx, allowed=self._allowed)]
         self._timeline.note(now, self.steps, d.mode, d.gamma, batch_size, changed=d != self._current)
         self._current = d

@@ -895,7 +895,7 @@ class KVBoundEngine:
         if not d_ran.speculative and not self.offloaded and not held and self.p.wants_offload(s):
             self.offloaded = True
             self.offloads += 1
-        elif self.steady and not held and not d.speculative:
+        elif self.steady and not held:
             self._steady_left, kv_below = self.p.steady(s)
             self._steady_load = (self.offloaded, kv_below)
         self.t += wall
@@ -929,28 +929,36 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
     assert eng.offloads == 1                  # no bouncing
 
 
-def test_steady_plain_decoding_held_without_a_snapshot_decides_exactly_as_every_step_decided():
+@pytest.mark.parametrize("psd_available", [False, True])
+def test_steady_blocks_held_without_a_snapshot_decide_exactly_as_every_step_decided(psd_available):
     # Two planners, one deciding every step and one skipping the snapshot on the steps
     # Planner.steady grants (the engine's controller does so): through speculation, plain
     # decoding with the batch moving inside its bin, memory pressure with an offload, its
-    # reload, and plain decoding again while the pressure level decays and the batch crosses a
-    # bin's edge, their decisions, offloads and every statistic are the same, and the second
-    # held most of its plain-decoding steps in both plain phases.
+    # reload, plain decoding again while the pressure level decays and the batch crosses a
+    # bin's edge, and speculation at a batch that moves, their decisions, offloads and every
+    # statistic are the same, and the second held most of its steps in both plain phases.
     def run(steady):
         p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
-                    gamma_max=4, psd_available=False, seed=0)
+                    gamma_max=4, psd_available=psd_available, seed=0)
         eng = KVBoundEngine(p, base=128, steady=steady)
-        load = [2] * 200 + [80, 90, 85] * 200 + [200] * 400 + [2] * 300 + [60, 60, 60, 70] * 150
-        return [eng.step(demand) for demand in load], (eng.offloads, eng.reloads), p
+        load = ([2] * 200 + [80, 90, 85] * 200 + [200] * 400 + [2] * 300 + [60, 60, 60, 70] * 150
+                + [3, 2] * 100)
+        steps, held = [], []
+        for demand in load:
+            before = p.held_steps
+            steps.append(eng.step(demand))
+            held.append(p.held_steps > before)
+        return steps, (eng.offloads, eng.reloads), p, held
 
-    every, moves, p_every = run(False)
-    held, held_moves, p_held = run(True)
+    every, moves, p_every, _ = run(False)
+    held, held_moves, p_held, was_held = run(True)
     assert held == every and held_moves == moves
     assert moves[0] >= 1 and moves[1] >= 1, "the pressure did not move the drafter both ways"
     assert p_held.stats() | {"held_steps": 0} == p_every.stats()
     assert p_held.offload_policy.level == p_every.offload_policy.level > 0
-    steady_plain = sum(not d.speculative for d, _ in every[200:800] + every[1500:])
+    steady_plain = sum(not d.speculative for d, _ in every[200:800] + every[1500:2100])
     assert p_every.held_steps == 0 and p_held.held_steps > 0.5 * steady_plain > 400
+    assert sum(h and d.speculative for (d, _), h in zip(held, was_held)) > 100, "no speculative step held"
 
 
 def test_an_idle_engine_gets_its_drafter_back_after_reload_after_s_with_the_pressure_forgotten():

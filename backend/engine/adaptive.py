@@ -3,9 +3,9 @@
 snapshot (the load, the drafter and the memory as the engine sees them) -> decide (the
 planner) -> apply (the step's plan: mode and gamma; lend the drafter's memory to the KV pool,
 or take it back) -> observe (after the step: the plan it issued and the step's result: what
-actually ran, its time, what it committed). While plain decoding goes on under a quiet load
-(nothing waiting, no memory pressure near, the batch in one bin), the planner's block continues
-without the snapshot (``Planner.steady``).
+actually ran, its time, what it committed). While a bandit block goes on under a quiet load
+(nothing waiting, no memory pressure near, the batch in one bin), it continues without the
+snapshot (``Planner.steady``).
 
 The planner depends on these measurements only; it never sees the engine, and the engine reads
 nothing of the planner but its decisions. Signals from outside the engine (a server's metrics
@@ -82,19 +82,29 @@ class AdaptiveController:
         self._memory_s = 0.0
         self._trying_cores = False
         if self._steady_left > 0 and self._load_quiet():
-            # Plain decoding goes on under a quiet load: the planner's block continues, and the
-            # snapshot it would not read is not taken.
+            # The planner's block goes on under a quiet load: the snapshot it would not read is
+            # not taken.
             running = self.scheduler.running
             held = self.planner.decide_held(time.perf_counter(), len(running),
                                             self.drafter.lag_tokens(running))
             if held is not None:
                 self._steady_left -= 1
                 self._issued = held
-                self._lend_cores(len(running) if self._any_decoding() else None)
-                return PLAIN
+                return self._apply(held, len(running))
         self._steady_left = 0
         signals = self._snapshot()
         decision = self._issued = self.planner.decide(signals)
+        plan = self._apply(decision, signals.batch_size, signals)
+        if self.extra_signals is None and not self._memory_s:
+            # (a server's signals can move while the engine's load does not: decide every step)
+            self._steady_left, kv_below = self.planner.steady(signals)
+            self._steady_load = (self.drafter.state, kv_below)
+        return plan
+
+    def _apply(self, decision: Decision, batch_size: int, signals: LoadSignals | None = None) -> StepPlan:
+        """The plan that runs `decision` with `batch_size` sequences running: the cores placed,
+        the drafter's memory moved where the decision needs it. `signals`: the snapshot it was
+        decided on (None for a held step, whose quiet load asks for no offload)."""
         mem = self.memory
         if decision.mode is Mode.NGRAM:
             self._lend_cores()               # n-gram drafts need no drafter model
@@ -113,13 +123,10 @@ class AdaptiveController:
             if not self.drafter.available:
                 return PLAIN
             return StepPlan(decision.mode, decision.gamma)
-        if mem is not None and self.drafter.available and self.planner.wants_offload(signals):
+        if (signals is not None and mem is not None and self.drafter.available
+                and self.planner.wants_offload(signals)):
             self._move_memory(mem.offload)
-        self._lend_cores(signals.batch_size if self._any_decoding() else None)
-        if self.extra_signals is None and not self._memory_s:
-            # (a server's signals can move while the engine's load does not: decide every step)
-            self._steady_left, kv_below = self.planner.steady(signals)
-            self._steady_load = (self.drafter.state, kv_below)
+        self._lend_cores(batch_size if self._any_decoding() else None)
         return PLAIN
 
     def _load_quiet(self) -> bool:
