@@ -113,7 +113,7 @@ class Planner:
         self._timeline = Timeline(cfg.timeline_max, cfg.timeline_every)
 
         self.steps = 0
-        self.held_steps = 0           # of those, decided by decide_held (steady plain decoding)
+        self.held_steps = 0           # of those, decided by decide_held (a steady block, no snapshot)
         self.mode_switches = 0        # ar <-> speculative
         self.drafter_turn_ons = 0     # to a drafter arm from one without (ar, ngram)
         self._ctx: Hashable = None
