@@ -285,7 +285,9 @@ def run_dynamic_cli(args) -> int:
                             "offloads": sum(e["kind"] == "offload" for e in first.events),
                             "reloads": sum(e["kind"] == "reload_done" for e in first.events),
                             "events": first.events, "timeline": first.timeline,
-                            "arm_counts": first.arm_counts}
+                            "arm_counts": first.arm_counts,
+                            "offload_weighings": [((r.planner_summary or {}).get("memory") or {})
+                                                  .get("offload_weighings", []) for r in runs[n]]}
             break
     report = {"where": "server" if args.server else "in-process", "shape": args.shape,
               "capacity_req_s": capacity, "scale": args.scale, "repeats": args.repeats,

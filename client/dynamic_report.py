@@ -267,7 +267,19 @@ def format_table(report: dict) -> str:
     if p:
         lines.append(f"planner ({p['config']}, first repeat): {p['switches']} switches, "
                      f"{p['offloads']} offloads, {p['reloads']} reloads")
+        for k, weighings in enumerate(p.get("offload_weighings") or [], 1):
+            lines += [f"  repeat {k}, an overload weighed for an offload: {_weighing(w)}" for w in weighings]
     return "\n".join(lines)
+
+
+def _weighing(w: dict) -> str:
+    """One sustained overload's weighing (planner.offload_policy.OffloadWeighing) in a line."""
+    short = ", ".join(f"{why} {n}" for why, n in w["short"].items() if n) or "nothing"
+    left = (f"offloaded {w['paid_after_s']:.2f} s after the first weigh" if w["paid_after_s"] is not None
+            else "the drafter stayed")
+    return (f"{w['weighs']} weighs, predicted gain {_fmt(w['gain_min'])} / {_fmt(w['gain_median'])} / "
+            f"{_fmt(w['gain_max'])} (min / median / max), demand / capacity up to "
+            f"{_fmt(w['demand_ratio_max'])}; short of: {short}; {left}")
 
 
 def _fmt(x) -> str:

@@ -168,6 +168,45 @@ class OffloadCheck:
         return self.delivered_s_per_token < self.baseline
 
 
+class OffloadWeighing:
+    """How one sustained overload was weighed for a memory-aware offload, so a report can say why
+    the drafter stayed (or when it left): how many weighs, the predicted gains, the demand ratios,
+    and what fell short each time (no estimate, the gain, the demand)."""
+
+    def __init__(self, since: float):
+        self.since = float(since)          # the first weigh (the planner's clock)
+        self.ended = False                 # the pressure ended, the road closed, or the drafter left
+        self.weighs = 0
+        self.short = {"no_estimate": 0, "gain": 0, "demand": 0}
+        self.gains: list[float] = []       # the predicted gains, in order (at most 64 kept)
+        self.demand_ratio_max: float | None = None
+        self.paid_after_s: float | None = None   # since the first weigh, to the first that paid
+
+    def add(self, now: float, gain: float | None, gain_pays: bool, demand: bool | None,
+            demand_ratio: float | None) -> None:
+        self.weighs += 1
+        if gain is None:
+            self.short["no_estimate"] += 1
+        elif len(self.gains) < 64:
+            self.gains.append(float(gain))
+        if gain is not None and not gain_pays:
+            self.short["gain"] += 1
+        if demand is False:
+            self.short["demand"] += 1
+        if demand_ratio is not None and demand is not None:
+            self.demand_ratio_max = max(demand_ratio, self.demand_ratio_max or 0.0)
+        if gain_pays and demand is not False and self.paid_after_s is None:
+            self.paid_after_s = now - self.since
+            self.ended = True              # the offload is asked for: this weighing is over
+
+    def summary(self) -> dict:
+        g = sorted(self.gains)
+        return {"since": self.since, "weighs": self.weighs, "short": dict(self.short),
+                "gain_min": g[0] if g else None, "gain_median": g[len(g) // 2] if g else None,
+                "gain_max": g[-1] if g else None, "demand_ratio_max": self.demand_ratio_max,
+                "paid_after_s": self.paid_after_s}
+
+
 class DrafterPlace:
     """Where the planner takes the drafter's weights to be: the engine's word when its signals
     report it (``drafter_offloaded``), else the planner's own bookkeeping of the offloads it
@@ -224,6 +263,7 @@ class MemoryRule:
         self.verdicts = {"paid": 0, "missed": 0}
         self.last_demand_ratio: float | None = None   # demand / the arm's capacity, last asked
         self._demand_verdict: bool | None = None      # offloaded: demand over capacity, last weighed
+        self.weighings: list[OffloadWeighing] = []    # the last sustained overloads, as weighed
 
     def hold(self, s: LoadSignals, now: float, step: int) -> bool:
         """Once per step, before deciding: must this step decode plainly? (While the drafter's
@@ -260,14 +300,29 @@ class MemoryRule:
     def _weigh(self, s: LoadSignals, now: float, step: int) -> bool:
         """Does the memory-aware road want the drafter's bytes as KV cache now?"""
         if not self.policy.sustained(now) or self._road_closed:
+            self._weighing_ends()
             return False
         if self.for_kv or s.kv_growth_if_offloaded is None or step % self.cfg.gain_check_every:
             return self.for_kv
         est = self.estimate(s)
-        pays = (self.policy.gain_pays(est[0] if est else None)
-                and self.demand_over(s, speculative=True) is not False)
+        gain_pays = self.policy.gain_pays(est[0] if est else None)
+        demand = self.demand_over(s, speculative=True)
+        pays = gain_pays and demand is not False
+        self._weighing(now).add(now, est[0] if est else None, gain_pays, demand, self.last_demand_ratio)
         self._claim = est if est and pays else None
         return pays
+
+    def _weighing(self, now: float) -> OffloadWeighing:
+        """The record of this sustained overload's weighing (begun at its first weigh)."""
+        w = self.weighings[-1] if self.weighings else None
+        if w is None or w.ended:
+            w = OffloadWeighing(now)
+            self.weighings = self.weighings[-7:] + [w]
+        return w
+
+    def _weighing_ends(self) -> None:
+        if self.weighings:
+            self.weighings[-1].ended = True
 
     def _missed(self, step: int) -> bool:
         """Has the running memory-aware offload been measured not to pay? Then the hold ends
@@ -391,4 +446,5 @@ class MemoryRule:
     def summary(self) -> dict:
         return {"pressure_level": self.policy.level, "last_offload_gain": self.policy.last_gain,
                 "last_demand_ratio": self.last_demand_ratio,
-                "offload_verdicts": dict(self.verdicts), "offload_claims": [dict(c) for c in self.claims]}
+                "offload_verdicts": dict(self.verdicts), "offload_claims": [dict(c) for c in self.claims],
+                "offload_weighings": [w.summary() for w in self.weighings]}

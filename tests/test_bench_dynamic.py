@@ -128,6 +128,26 @@ def test_the_offload_row_says_when_the_planner_never_offloaded():
     assert offload_line([1, 0]).endswith("TTFT x1.30, e2e x1.30 (<= 1)")
 
 
+def test_the_report_says_how_each_overload_was_weighed_for_an_offload():
+    from planner.offload_policy import OffloadWeighing
+    stayed, left = OffloadWeighing(100.0), OffloadWeighing(200.0)
+    for t, gain in ((100.0, None), (100.2, 0.8), (100.4, 0.9)):
+        stayed.add(t, gain, False, False, 0.9)
+    left.add(200.0, 0.95, False, True, 1.3)
+    left.add(200.5, 1.2, True, True, 1.4)
+    report = {"configs": {}, "regret": regret({}, 1), "phases": [{"name": "low"}],
+              "planner": {"config": "adaptive", "switches": 3, "offloads": 1, "reloads": 0,
+                          "offload_weighings": [[stayed.summary()], [left.summary()]]}}
+    lines = [line for line in format_table(report).splitlines() if "weighed for an offload" in line]
+    assert lines == [
+        "  repeat 1, an overload weighed for an offload: 3 weighs, predicted gain 0.80 / 0.90 / 0.90 "
+        "(min / median / max), demand / capacity up to 0.90; short of: no_estimate 1, gain 2, demand 3; "
+        "the drafter stayed",
+        "  repeat 2, an overload weighed for an offload: 2 weighs, predicted gain 0.95 / 1.20 / 1.20 "
+        "(min / median / max), demand / capacity up to 1.40; short of: gain 1; offloaded 0.50 s after "
+        "the first weigh"]
+
+
 def _summary(tp, ttft, e2e):
     row = {"requests": 1, "failed": 0, "throughput_tok_s": tp, "goodput_tok_s": tp, "ttft_mean_s": ttft,
            "ttft_p50_s": ttft, "ttft_p99_s": ttft, "tpot_mean_s": 0.01, "tpot_p50_s": 0.01,

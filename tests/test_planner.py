@@ -1037,6 +1037,38 @@ def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, repo
     assert p.stats()["ar_hold_steps"] == 0
 
 
+@pytest.mark.parametrize("growth, demand_x", [(1.2, None), (1.75, 1.1), (1.75, 1.5)])
+def test_each_sustained_overload_records_why_the_drafter_stayed_or_when_it_left(growth, demand_x):
+    # growth 1.2: the bigger pool never pays; demand 1.1x what speculation delivers: the gain
+    # pays but the demand gate holds the drafter; 1.5x: both pay and the drafter leaves
+    per_token_spec = min(true_step("sd", g, 8)[0] / true_step("sd", g, 8)[1] for g in range(1, 5))
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0), gamma_max=4,
+                psd_available=False, seed=0)
+    eng = KVBoundEngine(p, growth=growth,
+                        demand_tok_s=None if demand_x is None else demand_x / per_token_spec)
+    for _ in range(300):
+        eng.step(2)
+    assert p.stats()["memory"]["offload_weighings"] == []      # no pressure, nothing weighed
+    for _ in range(1500):
+        eng.step(30)
+    [w] = p.stats()["memory"]["offload_weighings"]
+    assert w["weighs"] >= 1
+    left = eng.offloads == 1
+    assert left == (demand_x == 1.5)
+    if left:
+        assert w["paid_after_s"] is not None and w["paid_after_s"] >= 0
+        assert w["gain_max"] >= 1.05 and w["demand_ratio_max"] >= 1.25
+    else:
+        assert w["paid_after_s"] is None
+        assert w["weighs"] > 100              # weighed all through the overload, every few steps
+        why = "gain" if growth == 1.2 else "demand"
+        assert w["short"][why] >= w["weighs"] - w["short"]["no_estimate"] > 0
+    if growth == 1.2:
+        assert w["gain_max"] < 1.05
+    if demand_x == 1.1:
+        assert w["gain_median"] >= 1.05 and w["demand_ratio_max"] < 1.25
+
+
 @pytest.mark.parametrize("demand_x, offloads", [(0.6, 0), (1.1, 0), (1.5, 1)])
 def test_offload_needs_demand_above_the_running_arms_capacity(demand_x, offloads):
     # The same KV-bound overload whose bigger pool pays, but the engine reports the demand: at
