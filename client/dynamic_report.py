@@ -277,6 +277,8 @@ def _weighing(w: dict) -> str:
     short = ", ".join(f"{why} {n}" for why, n in w["short"].items() if n) or "nothing"
     left = (f"offloaded {w['paid_after_s']:.2f} s after the first weigh" if w["paid_after_s"] is not None
             else "the drafter stayed")
+    if w.get("probed"):
+        left = "plain decoding probed settled; " + left
     return (f"{w['weighs']} weighs, predicted gain {_fmt(w['gain_min'])} / {_fmt(w['gain_median'])} / "
             f"{_fmt(w['gain_max'])} (min / median / max), demand / capacity up to "
             f"{_fmt(w['demand_ratio_max'])}; short of: {short}; {left}")

@@ -165,6 +165,8 @@ class PlannerConfig:
     reload_after_s: float = _setting(1.0, "float", _ge(0))
     gain_check_every: int = _setting(8, "int", _ge(1))
     gain_min_obs: float = _setting(3.0, "float", _ge(0))
+    plain_settle_steps: int = _setting(7, "int", _ge(0))      # plain steps after drafting: the turn-off's
+    settled_probe_floor: float = _setting(0.6, "float", _ge(0))   # x offload_gain: probe plain decoding settled
     offload_demand_ratio: float = _setting(1.25, "float")      # <= 0: offload whatever the demand
     demand_tau_s: float = _setting(2.0, "float", _gt(0))        # time constant of the demand estimate
     backlog_clear_s: float = _setting(5.0, "float", _gt(0))     # the waiting requests' tokens, due in

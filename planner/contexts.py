@@ -138,11 +138,15 @@ class StepLoss:
 
     def measure(self, ctx: Context, running: int, *, step_wall_s: float, tokens_committed: float,
                 drafter_rebuild_s: float, prefill_tokens: int, forward_tokens: int,
-                forward_s: float, forward_cores: int = 0) -> StepCost:
+                forward_s: float, forward_cores: int = 0, settling: bool = False) -> StepCost:
+        """`settling`: a plain step in the turn-off's transient (planner.offload_policy.SettledPlain),
+        whose forward runs slower than the forward's line is to predict: the line does not learn
+        from it."""
         tokens = max(float(tokens_committed), 1.0)
         tps = self._tokens_per_step[ctx] = ewma(self._tokens_per_step.get(ctx), tokens, 0.1)
         wall = float(step_wall_s)
-        self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
+        if not settling:
+            self.forward_cost.observe(forward_tokens, forward_s, forward_cores)
         if self.wall_includes_rebuild and drafter_rebuild_s > 0:
             wall = max(wall - drafter_rebuild_s, 0.05 * wall)
         unpriced = False

@@ -168,6 +168,35 @@ class OffloadCheck:
         return self.delivered_s_per_token < self.baseline
 
 
+class SettledPlain:
+    """Plain decoding's cost per context from its *settled* steps: those ``plain_settle_steps``
+    or more after the last drafting step. The steps right after drafting are slower (on a
+    2-core CPU host through tritonserver, a plain forward's first four steps after drafting took
+    1.3-1.4x a settled one's, the next three 1.2x: the caches the drafter's forwards displaced),
+    and where the bandit plays plain decoding in short blocks between drafting ones, most of its
+    mean is that transient. An offload holds plain decoding for the whole overload, so its gain
+    is weighed on the settled cost. A discounted mean of the bandit's losses (rescaled to the
+    context's reference batch), weighted as the bandit weighs them."""
+
+    def __init__(self, forget: float = 0.98):
+        self.forget = forget
+        self._sums: dict = {}     # context -> [weighted loss, weight, samples]
+
+    def observe(self, ctx, loss: float | None, weight: float) -> None:
+        if loss is None or not math.isfinite(loss):
+            return
+        s = self._sums.setdefault(ctx, [0.0, 0.0, 0])
+        s[0] = self.forget * s[0] + weight * loss
+        s[1] = self.forget * s[1] + weight
+        s[2] += 1
+
+    def loss(self, ctx, min_samples: float) -> float | None:
+        s = self._sums.get(ctx)
+        if s is None or s[2] < min_samples or s[1] <= 0:
+            return None
+        return s[0] / s[1]
+
+
 class OffloadWeighing:
     """How one sustained overload was weighed for a memory-aware offload, so a report can say why
     the drafter stayed (or when it left): how many weighs, the predicted gains, the demand ratios,
@@ -181,6 +210,7 @@ class OffloadWeighing:
         self.gains: list[float] = []       # the predicted gains, in order (at most 64 kept)
         self.demand_ratio_max: float | None = None
         self.paid_after_s: float | None = None   # since the first weigh, to the first that paid
+        self.probed = False                # a settled probe ran (MemoryRule._maybe_probe)
 
     def add(self, now: float, gain: float | None, gain_pays: bool, demand: bool | None,
             demand_ratio: float | None) -> None:
@@ -204,7 +234,7 @@ class OffloadWeighing:
         return {"since": self.since, "weighs": self.weighs, "short": dict(self.short),
                 "gain_min": g[0] if g else None, "gain_median": g[len(g) // 2] if g else None,
                 "gain_max": g[-1] if g else None, "demand_ratio_max": self.demand_ratio_max,
-                "paid_after_s": self.paid_after_s}
+                "probed": self.probed, "paid_after_s": self.paid_after_s}
 
 
 class DrafterPlace:
@@ -264,6 +294,10 @@ class MemoryRule:
         self.last_demand_ratio: float | None = None   # demand / the arm's capacity, last asked
         self._demand_verdict: bool | None = None      # offloaded: demand over capacity, last weighed
         self.weighings: list[OffloadWeighing] = []    # the last sustained overloads, as weighed
+        self.settled_plain = SettledPlain()
+        self._probe_left = 0              # steps of plain decoding left in a settled probe
+        self.probing = False              # this step is one of them
+        self.probe_steps = 0
 
     def hold(self, s: LoadSignals, now: float, step: int) -> bool:
         """Once per step, before deciding: must this step decode plainly? (While the drafter's
@@ -281,12 +315,16 @@ class MemoryRule:
             self.check = None
             self._demand_verdict = None
             hold = self.for_kv = self._weigh(s, now, step)
-        if hold:
+        probing = self.probing = not hold and self._probe_left > 0 and not self.drafter.offloaded
+        if probing:                      # a settled probe: plain decoding, to be measured
+            self._probe_left -= 1
+            self.probe_steps += 1
+        elif hold:
             self.hold_steps += 1
-        elif self.holding_ar:
+        if not (hold or probing) and self.holding_ar:
             self._bandit.interrupt()     # the hold ends: decide afresh, not by an old AR block
-        self.holding_ar = hold
-        return hold
+        self.holding_ar = hold or probing
+        return hold or probing
 
     def _demand_holds(self, s: LoadSignals, step: int) -> bool:
         """Offloaded, with room to reload: does demand still exceed the speculative arms'
@@ -308,9 +346,25 @@ class MemoryRule:
         gain_pays = self.policy.gain_pays(est[0] if est else None)
         demand = self.demand_over(s, speculative=True)
         pays = gain_pays and demand is not False
-        self._weighing(now).add(now, est[0] if est else None, gain_pays, demand, self.last_demand_ratio)
+        weighing = self._weighing(now)
+        weighing.add(now, est[0] if est else None, gain_pays, demand, self.last_demand_ratio)
         self._claim = est if est and pays else None
+        if not pays and demand is not False and est is not None and not weighing.probed:
+            self._maybe_probe(s, est[0], weighing)
         return pays
+
+    def _maybe_probe(self, s: LoadSignals, gain: float, weighing: OffloadWeighing) -> None:
+        """A gain near the line, weighed on plain decoding's mean with its turn-off transients
+        (no settled steps measured in this context): run plain decoding for
+        ``plain_settle_steps`` + ``gain_min_obs`` steps, once in this overload, so the next
+        weigh reads its settled cost (:class:`SettledPlain`)."""
+        floor = self.cfg.settled_probe_floor
+        if floor <= 0 or gain < floor * self.cfg.offload_gain:
+            return
+        if self.settled_plain.loss(self._bins.context(s), self.cfg.gain_min_obs) is not None:
+            return
+        self._probe_left = self.cfg.plain_settle_steps + math.ceil(self.cfg.gain_min_obs) + 1
+        weighing.probed = True
 
     def _weighing(self, now: float) -> OffloadWeighing:
         """The record of this sustained overload's weighing (begun at its first weigh)."""
@@ -358,12 +412,17 @@ class MemoryRule:
         self._road_closed = False
         return True
 
-    def observe_ar(self, wall_s: float, tokens: int, forward_cores: int = 0) -> None:
+    def observe_ar(self, wall_s: float, tokens: int, forward_cores: int = 0,
+                   settled: tuple | None = None) -> None:
         """A plain-decoding step's wall time, for the running offload's check, and the cores
-        its forward ran on (whose cost line predicts plain decoding at a bigger batch)."""
+        its forward ran on (whose cost line predicts plain decoding at a bigger batch);
+        `settled`: (context, loss, weight) when the step came ``plain_settle_steps`` or more
+        after the last drafting one."""
         self._ar_cores = forward_cores
         if self.check is not None and math.isfinite(wall_s):
             self.check.observe(wall_s, tokens)
+        if settled is not None:
+            self.settled_plain.observe(*settled)
 
     def wants_offload(self, s: LoadSignals, now: float, step: int, ar_since: tuple[int, float]) -> bool:
         """Plain decoding has run since `ar_since` (step, time): is this the time to offload?"""
@@ -426,25 +485,37 @@ class MemoryRule:
         spec_now = self._best_s_per_token(s, speculative=True)
         if spec_now is None:
             return None
-        bins, min_obs = self._bins, self.cfg.gain_min_obs
+        bins = self._bins
         ctx = bins.context(s)
         b2i = int(round(b2))
-        ar_here = self._bandit.means(ctx).get(AR.arm)
-        if ar_here is not None and ar_here[1] >= min_obs:
+        ar_here = self._plain_loss(ctx)
+        if ar_here is not None:
             overhead = self._serving.estimate() if self._serving is not None else None
-            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here[0] / bins.norm(ctx, b), overhead,
+            ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here / bins.norm(ctx, b), overhead,
                                                        cores=self._ar_cores)
             if ar_at_b2 is not None:
                 return spec_now / ar_at_b2, spec_now
         ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))
         for c in (ctx2, ctx):
-            m = self._bandit.means(c).get(AR.arm)
-            if m is not None and m[1] >= min_obs:
-                return spec_now / (m[0] / bins.norm(c, b2i)), spec_now
+            m = self._plain_loss(c)
+            if m is not None:
+                return spec_now / (m / bins.norm(c, b2i)), spec_now
         return None
+
+    def _plain_loss(self, ctx) -> float | None:
+        """Plain decoding's loss in `ctx` as an offload would hold it, run after run: its
+        settled steps' (:class:`SettledPlain`) where enough were measured, else the bandit's
+        mean of all its steps, the turn-off's transient in them (None: too little measured)."""
+        min_obs = self.cfg.gain_min_obs
+        settled = self.settled_plain.loss(ctx, min_obs)
+        if settled is not None:
+            return settled
+        m = self._bandit.means(ctx).get(AR.arm)
+        return m[0] if m is not None and m[1] >= min_obs else None
 
     def summary(self) -> dict:
         return {"pressure_level": self.policy.level, "last_offload_gain": self.policy.last_gain,
+                "settled_probe_steps": self.probe_steps,
                 "last_demand_ratio": self.last_demand_ratio,
                 "offload_verdicts": dict(self.verdicts), "offload_claims": [dict(c) for c in self.claims],
                 "offload_weighings": [w.summary() for w in self.weighings]}

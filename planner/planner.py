@@ -103,6 +103,9 @@ class Planner:
         self._drafter_arms = frozenset(a for a in self.arms if Mode(a[0]).uses_drafter)
         self._prices: tuple[int, tuple[float, float, float]] = (-1, (0.0, 0.0, 0.0))   # (step, _switch_prices())
         self._ran_last: Decision | None = None   # what the last step that decoded ran (None: idle since)
+        # steps without the drafter since the last that drafted (an engine that never drafted
+        # starts settled)
+        self._plain_run = cfg.plain_settle_steps
         self._drafter = DrafterPlace()
         self._memory = MemoryRule(cfg, self.bandit, self.bins, self.forward_cost, self._drafter,
                                   has_ar=AR.arm in self._decisions, serving=self.serving_cost)
@@ -217,6 +220,10 @@ class Planner:
         scored and, untried, it would be picked again and again); under sustained pressure,
         not the arms the data never ranks first in this bin (:mod:`planner.pruning`)."""
         if self._memory.hold(s, now, self.steps):
+            if self._memory.probing:
+                # plain decoding to measure, not chosen: its run does not count as the bandit's
+                # plain decoding (the offload's plain-decoding road) until the probe is over
+                self._ar_since = (self.steps + 1, now)
             return (AR.arm,)
         base = self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
         prior = self._prior
@@ -265,6 +272,13 @@ class Planner:
         psd_drafted_here = decision.mode is Mode.PSD and self._ran_last == decision
         measures_acceptance = ((decision.mode is Mode.SD or psd_drafted_here)
                                and o.batch_size > 0 and o.tokens_committed > 0)
+        # Plain steps since the last one issued with the drafter: the first plain_settle_steps
+        # are the turn-off's transient (SettledPlain), and a plain step issued as speculation (the
+        # drafter away: reloading, restarting) is not plain decoding as the planner would run it;
+        # neither the forward's line nor the offload's estimate learns from those.
+        drafting = decision.uses_drafter or issued.uses_drafter
+        self._plain_run = 0 if drafting else self._plain_run + 1
+        settling = decision.mode is Mode.AR and (drafting or self._plain_run <= self.config.plain_settle_steps)
         tokens = o.tokens_committed
         if measures_acceptance:
             tokens = self._acceptance.expected_tokens(decision.gamma, o.tokens_committed, o.batch_size)
@@ -273,7 +287,7 @@ class Planner:
             step_wall_s=max(o.step_wall_s - o.memory_s, 0.0),
             tokens_committed=tokens, drafter_rebuild_s=o.drafter_rebuild_s,
             prefill_tokens=o.prefill_tokens, forward_tokens=o.forward_tokens, forward_s=o.forward_s,
-            forward_cores=o.forward_cores)
+            forward_cores=o.forward_cores, settling=settling)
         # The first plain step after a drafting one carries the turn-off: the switch's cost,
         # not plain decoding's (SwitchCost.turn_off).
         turning_off = (decision.mode is Mode.AR and self._ran_last is not None
@@ -297,7 +311,8 @@ class Planner:
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR and not trying and not unpriced:
-            self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores)
+            self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores,
+                                    settled=None if settling else (ctx, cost.loss, cost.weight))
             self._switch.turn_off.observe(cost.wall_s, cost.tokens, first=turning_off)
         elif decision.uses_drafter:
             if decision.mode is Mode.PSD and not unpriced:

@@ -134,6 +134,7 @@ def test_the_report_says_how_each_overload_was_weighed_for_an_offload():
     for t, gain in ((100.0, None), (100.2, 0.8), (100.4, 0.9)):
         stayed.add(t, gain, False, False, 0.9)
     left.add(200.0, 0.95, False, True, 1.3)
+    left.probed = True
     left.add(200.5, 1.2, True, True, 1.4)
     report = {"configs": {}, "regret": regret({}, 1), "phases": [{"name": "low"}],
               "planner": {"config": "adaptive", "switches": 3, "offloads": 1, "reloads": 0,
@@ -144,8 +145,8 @@ def test_the_report_says_how_each_overload_was_weighed_for_an_offload():
         "(min / median / max), demand / capacity up to 0.90; short of: no_estimate 1, gain 2, demand 3; "
         "the drafter stayed",
         "  repeat 2, an overload weighed for an offload: 2 weighs, predicted gain 0.95 / 1.20 / 1.20 "
-        "(min / median / max), demand / capacity up to 1.40; short of: gain 1; offloaded 0.50 s after "
-        "the first weigh"]
+        "(min / median / max), demand / capacity up to 1.40; short of: gain 1; plain decoding probed "
+        "settled; offloaded 0.50 s after the first weigh"]
 
 
 def _summary(tp, ttft, e2e):

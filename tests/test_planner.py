@@ -361,7 +361,7 @@ def test_a_step_with_prompts_before_the_line_is_fitted_is_played_not_measured():
     p.observe(sd2, first)
     assert p.bandit.context_stats("b1").plays == {sd2.arm: 1}
     assert sd2.arm not in p.bandit.measured("b1")
-    for i in range(20):              # the line learns from every step's forward
+    for i in range(30):              # the line learns from every step's forward past the turn-off's
         p.decide(LoadSignals(batch_size=1))
         p.observe(AR, StepOutcome(step_wall_s=0.005 + 0.0001 * i, tokens_committed=1,
                                   batch_size=1, forward_tokens=1 + 10 * i,
@@ -848,8 +848,11 @@ class KVBoundEngine:
     costs; an offload takes effect at once, a reload on the next step."""
 
     def __init__(self, planner, base=8, growth=1.75, seed=0, report_growth=True,
-                 offloaded_slowdown=1.0, demand_tok_s=None, steady=False):
+                 offloaded_slowdown=1.0, demand_tok_s=None, steady=False, turn_off=1.0):
         self.p, self.base, self.growth = planner, base, growth
+        # turn_off: the first four plain steps after a drafting one cost this x, the next three
+        # half that extra (the turn-off's transient, as measured through tritonserver on a CPU)
+        self.turn_off, self._since_drafting = turn_off, 99
         # steady: as the engine's controller does, skip the snapshot and call decide_held for
         # the steps Planner.steady grants while the load stays quiet (nothing waiting, the
         # drafter where it was, the KV usage under the line)
@@ -886,12 +889,15 @@ class KVBoundEngine:
         else:
             d_ran = d
         wall, tokens, nseq = true_step(d_ran.mode, d_ran.gamma, b)
-        wall *= 1.0 + 0.05 * self.rng.standard_normal()
+        self._since_drafting = 0 if d_ran.uses_drafter else self._since_drafting + 1
+        k, x = self._since_drafting, self.turn_off
+        slow = x if 0 < k <= 4 else (1 + x) / 2 if 4 < k <= 7 else 1.0
+        wall *= slow * (1.0 + 0.05 * self.rng.standard_normal())
         if self.offloaded:
             wall *= self.offloaded_slowdown
         fed = nseq * (d_ran.gamma + 1)
         self.p.observe(d_ran, StepOutcome(step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
-                       forward_tokens=fed, forward_s=t_verify(nseq, d_ran.gamma + 1)))
+                       forward_tokens=fed, forward_s=slow * t_verify(nseq, d_ran.gamma + 1)))
         if not d_ran.speculative and not self.offloaded and not held and self.p.wants_offload(s):
             self.offloaded = True
             self.offloads += 1
@@ -1035,6 +1041,101 @@ def test_no_offload_when_the_bigger_pool_does_not_pay_or_is_unknown(growth, repo
     assert eng.offloads == 0
     assert np.mean([d.speculative for d in tail]) > 0.8
     assert p.stats()["ar_hold_steps"] == 0
+
+
+def _offload_gain_after_blocks(turn_off: float, settle_steps: int = 7) -> tuple[float, float]:
+    """(the offload's predicted gain, the bandit's mean for plain decoding) at batch 8 under
+    pressure, after SD and plain decoding ran in alternate blocks of 12 steps, the first four
+    plain steps after each SD block costing `turn_off` x, the next three half that extra (the
+    turn-off's transient, as measured through tritonserver on a CPU host)."""
+    p = Planner(PlannerConfig(plain_settle_steps=settle_steps), gamma_max=4, psd_available=False, seed=0)
+    rng = np.random.default_rng(0)
+    sd2, t, since_drafting = Decision(Mode.SD, 2), 0.0, 99
+    s = LoadSignals(batch_size=8, waiting=10, kv_usage=1.0, kv_growth_if_offloaded=1.75)
+    for ran in ([sd2] * 12 + [AR] * 12) * 30:
+        s = replace(s, now=t)
+        p.decide(s)                  # the arms run on a schedule, whatever the planner would pick
+        wall, tokens, nseq = true_step(ran.mode.value, ran.gamma, 8)
+        since_drafting = 0 if ran.uses_drafter else since_drafting + 1
+        slow = turn_off if 0 < since_drafting <= 4 else (1 + turn_off) / 2 if 4 < since_drafting <= 7 else 1.0
+        wall *= slow * (1.0 + 0.03 * rng.standard_normal())
+        fed = nseq * (ran.gamma + 1)
+        p.observe(ran, StepOutcome(step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
+                                   forward_tokens=fed, forward_s=slow * t_verify(nseq, ran.gamma + 1)))
+        t += wall
+    ctx = p.bins.context(s)
+    return p._memory.estimate(s)[0], p.bandit.means(ctx)[AR.arm][0]
+
+
+def test_the_offloads_gain_is_weighed_on_settled_plain_steps_not_the_turn_offs_transient():
+    # Plain decoding's first steps after drafting run slower (through tritonserver on a CPU host,
+    # 1.3-1.4x for four steps); played in short blocks between drafting ones, the bandit's mean
+    # carries that. An offload holds plain decoding for the overload: what it would buy is
+    # weighed on the settled steps, so the transient moves the bandit's mean, not the gain.
+    gain, plain_mean = _offload_gain_after_blocks(1.0)
+    gain_t, plain_mean_t = _offload_gain_after_blocks(1.4)
+    assert plain_mean_t > 1.12 * plain_mean              # the transient is in the bandit's mean
+    assert gain_t == pytest.approx(gain, rel=0.03)
+    # counting every plain step as settled, the transient would keep the drafter on its device
+    gain_all, _ = _offload_gain_after_blocks(1.4, settle_steps=0)
+    assert gain_all < 0.95 * gain
+    assert gain_all < PlannerConfig().offload_gain <= gain_t
+
+
+@pytest.mark.parametrize("turn_off, seed", [(1.4, 2), (1.4, 3), (1.6, 2), (1.6, 3)])
+def test_a_settled_probe_finds_the_offload_the_turn_offs_transient_hid(turn_off, seed):
+    # Plain decoding played in short blocks at the batch that fits carries the turn-off's
+    # transient in its mean, so the bigger pool's gain is weighed below the line. A probe (plain
+    # decoding for plain_settle_steps + gain_min_obs steps, once in the overload) measures it
+    # settled, and the drafter leaves; without the probe (floor 0) it stays on its device.
+    def overload(floor):
+        p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, settled_probe_floor=floor),
+                    gamma_max=4, psd_available=False, seed=seed)
+        eng = KVBoundEngine(p, turn_off=turn_off, seed=seed)
+        for _ in range(300):
+            eng.step(2)
+        for _ in range(1500):
+            eng.step(30)
+        return eng.offloads, p.stats()["memory"]
+
+    offloads, memory = overload(PlannerConfig().settled_probe_floor)
+    assert offloads == 1
+    [w] = memory["offload_weighings"]
+    assert w["probed"] and 0 < memory["settled_probe_steps"] <= 11
+    assert overload(0.0)[0] == 0
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_a_settled_probe_does_not_make_an_offload_that_does_not_pay(seed):
+    # growth 1.3: the batch the freed memory admits (10) does not beat speculation at 8
+    p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0), gamma_max=4,
+                psd_available=False, seed=seed)
+    eng = KVBoundEngine(p, growth=1.3, turn_off=1.4, seed=seed)
+    for _ in range(300):
+        eng.step(2)
+    tail = [eng.step(30)[0] for _ in range(1500)][-500:]
+    assert eng.offloads == 0
+    assert p.stats()["memory"]["settled_probe_steps"] == 11        # probed once in the overload
+    assert np.mean([d.speculative for d in tail]) > 0.8
+
+
+def test_plain_steps_issued_as_speculation_are_not_settled_plain_decoding():
+    # With the drafter away (reloading, restarting) a step issued as SD runs plainly: not plain
+    # decoding as an offload would hold it, so the offload's estimate does not learn from it
+    p = Planner(PlannerConfig(plain_settle_steps=2), gamma_max=4, psd_available=False, seed=0)
+    s = LoadSignals(batch_size=8, waiting=10, kv_usage=1.0, kv_growth_if_offloaded=1.75)
+    ctx = p.bins.context(s)
+
+    def run(issued, wall, steps=20):
+        for i in range(steps):
+            p.decide(replace(s, now=i * 0.01))
+            p.observe(issued, StepOutcome(step_wall_s=wall, tokens_committed=8, batch_size=8,
+                                          forward_tokens=8, forward_s=0.8 * wall, ran=AR))
+
+    run(Decision(Mode.SD, 2), 0.02)
+    assert p._memory.settled_plain.loss(ctx, 1) is None
+    run(AR, 0.01)                    # issued plainly: settled after the first two steps
+    assert p._memory.settled_plain.loss(ctx, 1) == pytest.approx(0.01 / 8 * p.bins.norm(ctx, 8))
 
 
 @pytest.mark.parametrize("growth, demand_x", [(1.2, None), (1.75, 1.1), (1.75, 1.5)])
