@@ -344,27 +344,27 @@ class MemoryRule:
             return self.for_kv
         est = self.estimate(s)
         gain_pays = self.policy.gain_pays(est[0] if est else None)
-        demand = self.demand_over(s, speculative=True)
-        pays = gain_pays and demand is not False
         weighing = self._weighing(now)
+        probe = not gain_pays and self._probe_due(s, est, weighing)
+        # demand reads every arm's estimate again: weighed only where it can decide something
+        demand = self.demand_over(s, speculative=True) if gain_pays or probe else None
+        pays = gain_pays and demand is not False
         weighing.add(now, est[0] if est else None, gain_pays, demand, self.last_demand_ratio)
         self._claim = est if est and pays else None
-        if not pays and demand is not False and est is not None and not weighing.probed:
-            self._maybe_probe(s, est[0], weighing)
+        if probe and demand is not False:
+            self._probe_left = self.cfg.plain_settle_steps + math.ceil(self.cfg.gain_min_obs) + 1
+            weighing.probed = True
         return pays
 
-    def _maybe_probe(self, s: LoadSignals, gain: float, weighing: OffloadWeighing) -> None:
+    def _probe_due(self, s: LoadSignals, est: tuple[float, float] | None, weighing: OffloadWeighing) -> bool:
         """A gain near the line, weighed on plain decoding's mean with its turn-off transients
-        (no settled steps measured in this context): run plain decoding for
-        ``plain_settle_steps`` + ``gain_min_obs`` steps, once in this overload, so the next
-        weigh reads its settled cost (:class:`SettledPlain`)."""
+        (no settled steps measured in this context), with no probe yet in this overload: run
+        plain decoding for ``plain_settle_steps`` + ``gain_min_obs`` + 1 steps (if demand is not
+        below the gate), so the next weigh reads its settled cost (:class:`SettledPlain`)."""
         floor = self.cfg.settled_probe_floor
-        if floor <= 0 or gain < floor * self.cfg.offload_gain:
-            return
-        if self.settled_plain.loss(self._bins.context(s), self.cfg.gain_min_obs) is not None:
-            return
-        self._probe_left = self.cfg.plain_settle_steps + math.ceil(self.cfg.gain_min_obs) + 1
-        weighing.probed = True
+        if weighing.probed or est is None or floor <= 0 or est[0] < floor * self.cfg.offload_gain:
+            return False
+        return self.settled_plain.loss(self._bins.context(s), self.cfg.gain_min_obs) is None
 
     def _weighing(self, now: float) -> OffloadWeighing:
         """The record of this sustained overload's weighing (begun at its first weigh)."""
