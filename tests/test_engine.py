@@ -110,6 +110,29 @@ def test_preemption_by_recompute_loses_nothing(prompts):
     assert_no_leaks(engine)
 
 
+def test_a_preempted_sequence_leaves_the_drafters_pool_too(prompts):
+    # Its blocks go back to the target's pool, which admits others in its place. The drafter's
+    # pool holds as many tokens as the target's: when it kept the preempted sequence's copy it
+    # had no room left for some newcomers and drafted nothing for them
+    # (benchmarks/results/preempted-drafter-copy/).
+    long = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    ar = make_engine(drafter=None)
+    expected = [c.output_ids for c in ar.generate(prompts, long)]
+    need = [-(-(len(ar.tokenizer.encode(p)) + long.max_tokens) // 16) for p in prompts]
+    engine = make_engine(gamma=4, kv_cache_bytes=max(max(need) + 2, sum(need) // 3) * block_bytes(),
+                         block_size=16)
+    held_beyond_running = []
+
+    def after_step(_outputs):
+        held_beyond_running.append(engine.drafter.stats().num_sequences - len(engine.scheduler.running))
+
+    out = engine.generate(prompts, long, on_step=after_step)
+    assert [c.output_ids for c in out] == expected
+    assert engine.stats().preemptions > 0
+    assert max(held_beyond_running) <= 0, "the drafter kept sequences the target no longer runs"
+    assert_no_leaks(engine)
+
+
 def test_admission_leaves_running_sequences_room_to_grow():
     from backend.model.kv_cache import PagedKVCache
     from backend.batching.sequence import Sequence

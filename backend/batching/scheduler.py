@@ -57,6 +57,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # called with a preempted sequence's id once its blocks are freed (the engine: the
+        # proposers let go of their copy too)
+        self.on_preempt: Callable[[str], None] | None = None
         # Requests the last schedule left waiting (no KV blocks, batch slot or token budget for
         # them, or a preemption this step). One that arrived since has not been offered
         # admission yet: it is not evidence of a queue.
@@ -184,3 +187,5 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq.request_id)

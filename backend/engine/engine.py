@@ -124,6 +124,11 @@ class Engine:
                                                lending=CoreLending() if config.lend_drafter_cores == MEASURED else None)
         self._accounts = Accounts()
         proposers = [p for p in (self.drafter, self.ngram) if p is not None]
+        # A preempted sequence gives its blocks back to the target's pool, which admits others
+        # in its place; a drafter that kept its copy would be short of room for those (its pool
+        # holds as many tokens as the target's) and stop drafting for some of them. It re-reads
+        # the sequence when it runs again, as after any resync.
+        self.scheduler.on_preempt = lambda seq_id: [p.free(seq_id) for p in proposers]
         self.requests = Requests(
             self.intake, self.scheduler, self._accounts.stats,
             forget=[s.forget for s in self._strategies.values()] + [p.free for p in proposers],
