@@ -169,8 +169,8 @@ class OffloadCheck:
 
 
 class SettledPlain:
-    """Plain decoding's cost per context from its *settled* steps: those ``plain_settle_steps``
-    or more after the last drafting step. The steps right after drafting are slower (on a
+    """Plain decoding's cost per context from its *settled* steps: issued as plain decoding, and
+    more than ``plain_settle_steps`` after the last step issued with the drafter. The steps right after drafting are slower (on a
     2-core CPU host through tritonserver, a plain forward's first four steps after drafting took
     1.3-1.4x a settled one's, the next three 1.2x: the caches the drafter's forwards displaced),
     and where the bandit plays plain decoding in short blocks between drafting ones, most of its
@@ -210,7 +210,7 @@ class OffloadWeighing:
         self.gains: list[float] = []       # the predicted gains, in order (at most 64 kept)
         self.demand_ratio_max: float | None = None
         self.paid_after_s: float | None = None   # since the first weigh, to the first that paid
-        self.probed = False                # a settled probe ran (MemoryRule._maybe_probe)
+        self.probed = False                # a settled probe ran (MemoryRule._probe_due)
 
     def add(self, now: float, gain: float | None, gain_pays: bool, demand: bool | None,
             demand_ratio: float | None) -> None:
@@ -416,8 +416,8 @@ class MemoryRule:
                    settled: tuple | None = None) -> None:
         """A plain-decoding step's wall time, for the running offload's check, and the cores
         its forward ran on (whose cost line predicts plain decoding at a bigger batch);
-        `settled`: (context, loss, weight) when the step came ``plain_settle_steps`` or more
-        after the last drafting one."""
+        `settled`: (context, loss, weight) when it was issued as plain decoding and came more
+        than ``plain_settle_steps`` after the last step issued with the drafter."""
         self._ar_cores = forward_cores
         if self.check is not None and math.isfinite(wall_s):
             self.check.observe(wall_s, tokens)

@@ -128,7 +128,10 @@ class Engine:
         # in its place; a drafter that kept its copy would be short of room for those (its pool
         # holds as many tokens as the target's) and stop drafting for some of them. It re-reads
         # the sequence when it runs again, as after any resync.
-        self.scheduler.on_preempt = lambda seq_id: [p.free(seq_id) for p in proposers]
+        def forget_preempted(seq_id: str) -> None:
+            for p in proposers:
+                p.free(seq_id)
+        self.scheduler.on_preempt = forget_preempted
         self.requests = Requests(
             self.intake, self.scheduler, self._accounts.stats,
             forget=[s.forget for s in self._strategies.values()] + [p.free for p in proposers],
