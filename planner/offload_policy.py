@@ -182,12 +182,14 @@ class SettledPlain:
         self.forget = forget
         self._sums: dict = {}     # context -> [weighted loss, weight, samples]
 
-    def observe(self, ctx, loss: float | None, weight: float) -> None:
-        if loss is None or not math.isfinite(loss):
-            return
-        s = self._sums.setdefault(ctx, [0.0, 0.0, 0])
-        s[0] = self.forget * s[0] + weight * loss
-        s[1] = self.forget * s[1] + weight
+    def observe(self, ctx, loss: float, weight: float) -> None:
+        """`loss`: a finite step loss, as :class:`~planner.contexts.StepLoss` makes them."""
+        s = self._sums.get(ctx)
+        if s is None:
+            s = self._sums[ctx] = [0.0, 0.0, 0]
+        f = self.forget
+        s[0] = f * s[0] + weight * loss
+        s[1] = f * s[1] + weight
         s[2] += 1
 
     def loss(self, ctx, min_samples: float) -> float | None:
@@ -342,12 +344,12 @@ class MemoryRule:
             return False
         if self.for_kv or s.kv_growth_if_offloaded is None or step % self.cfg.gain_check_every:
             return self.for_kv
-        est = self.estimate(s)
+        means = self._bandit.means(self._bins.context(s))    # every arm's estimate, read once
+        est = self.estimate(s, means)
         gain_pays = self.policy.gain_pays(est[0] if est else None)
         weighing = self._weighing(now)
         probe = not gain_pays and self._probe_due(s, est, weighing)
-        # demand reads every arm's estimate again: weighed only where it can decide something
-        demand = self.demand_over(s, speculative=True) if gain_pays or probe else None
+        demand = self.demand_over(s, speculative=True, means=means) if gain_pays or probe else None
         pays = gain_pays and demand is not False
         weighing.add(now, est[0] if est else None, gain_pays, demand, self.last_demand_ratio)
         self._claim = est if est and pays else None
@@ -413,16 +415,17 @@ class MemoryRule:
         return True
 
     def observe_ar(self, wall_s: float, tokens: int, forward_cores: int = 0,
-                   settled: tuple | None = None) -> None:
+                   settled_in=None, loss: float | None = None, weight: float = 1.0) -> None:
         """A plain-decoding step's wall time, for the running offload's check, and the cores
         its forward ran on (whose cost line predicts plain decoding at a bigger batch);
-        `settled`: (context, loss, weight) when it was issued as plain decoding and came more
-        than ``plain_settle_steps`` after the last step issued with the drafter."""
+        `settled_in`: its context when it was issued as plain decoding and came more than
+        ``plain_settle_steps`` after the last step issued with the drafter (its `loss` and
+        `weight` then go to :class:`SettledPlain`)."""
         self._ar_cores = forward_cores
         if self.check is not None and math.isfinite(wall_s):
             self.check.observe(wall_s, tokens)
-        if settled is not None:
-            self.settled_plain.observe(*settled)
+        if settled_in is not None and loss is not None:
+            self.settled_plain.observe(settled_in, loss, weight)
 
     def wants_offload(self, s: LoadSignals, now: float, step: int, ar_since: tuple[int, float]) -> bool:
         """Plain decoding has run since `ar_since` (step, time): is this the time to offload?"""
@@ -438,29 +441,32 @@ class MemoryRule:
             self.drafter.offload_asked()
         return want
 
-    def demand_over(self, s: LoadSignals, *, speculative: bool) -> bool | None:
+    def demand_over(self, s: LoadSignals, *, speculative: bool, means: dict | None = None) -> bool | None:
         """Is demand (arrivals, and the backlog over ``backlog_clear_s``) at least
         ``offload_demand_ratio`` x the capacity of the best measured speculative arm (or of plain
-        decoding) at this batch? None when the gate is off or either side is not known yet."""
+        decoding) at this batch? None when the gate is off or either side is not known yet.
+        `means`: the bandit's means in this bin, where the caller has them already."""
         ratio = self.cfg.offload_demand_ratio
         if ratio <= 0 or s.demand_tok_s is None:
             return None
         demand = s.demand_tok_s + (s.waiting_tokens or 0) / self.cfg.backlog_clear_s
-        s_per_token = self._best_s_per_token(s, speculative)
+        s_per_token = self._best_s_per_token(s, speculative, means)
         if s_per_token is None:
             return None
         self.last_demand_ratio = demand * s_per_token       # demand / capacity
         return self.last_demand_ratio >= ratio
 
-    def _best_s_per_token(self, s: LoadSignals, speculative: bool) -> float | None:
+    def _best_s_per_token(self, s: LoadSignals, speculative: bool, means: dict | None = None) -> float | None:
         """Seconds per token of the best arm measured (``gain_min_obs``) in this bin at this
         batch: speculative arms, or plain decoding; None when none is."""
         ctx = self._bins.context(s)
-        means = [m for a, (m, n) in self._bandit.means(ctx).items()
-                 if Mode(a[0]).speculative == speculative and n >= self.cfg.gain_min_obs]
-        return min(means) / self._bins.norm(ctx, max(int(s.batch_size), 1)) if means else None
+        if means is None:
+            means = self._bandit.means(ctx)
+        best = [m for a, (m, n) in means.items()
+                if Mode(a[0]).speculative == speculative and n >= self.cfg.gain_min_obs]
+        return min(best) / self._bins.norm(ctx, max(int(s.batch_size), 1)) if best else None
 
-    def estimate(self, s: LoadSignals) -> tuple[float, float] | None:
+    def estimate(self, s: LoadSignals, means: dict | None = None) -> tuple[float, float] | None:
         """(gain, the best speculative arm's per-token latency now). The gain is the predicted
         per-token speed-up of plain decoding with the drafter offloaded (at the batch
         the grown pool would admit) over the best speculative arm now (at the batch that fits):
@@ -472,7 +478,8 @@ class MemoryRule:
         the rest of its per-token time (:meth:`~planner.step_costs.ForwardCost.per_token_at`);
         until the line is known, AR's mean in the bin
         of the bigger batch, or this bin's rescaled like the losses are). None when the engine
-        cannot grow the pool or too little is measured yet."""
+        cannot grow the pool or too little is measured yet. `means`: the bandit's means in this
+        bin, where the caller has them already."""
         g = s.kv_growth_if_offloaded
         b = max(int(s.batch_size), 1)
         if g is None or g <= 1.0 or s.queued <= 0:
@@ -482,13 +489,15 @@ class MemoryRule:
             b2 = min(b2, float(s.batch_limit))
         if b2 < b + 1:
             return None
-        spec_now = self._best_s_per_token(s, speculative=True)
-        if spec_now is None:
-            return None
         bins = self._bins
         ctx = bins.context(s)
+        if means is None:
+            means = self._bandit.means(ctx)
+        spec_now = self._best_s_per_token(s, True, means)
+        if spec_now is None:
+            return None
         b2i = int(round(b2))
-        ar_here = self._plain_loss(ctx)
+        ar_here = self._plain_loss(ctx, means)
         if ar_here is not None:
             overhead = self._serving.estimate() if self._serving is not None else None
             ar_at_b2 = self._forward_cost.per_token_at(b, b2, ar_here / bins.norm(ctx, b), overhead,
@@ -496,13 +505,12 @@ class MemoryRule:
             if ar_at_b2 is not None:
                 return spec_now / ar_at_b2, spec_now
         ctx2 = bins.context(LoadSignals(batch_size=b2i, waiting=s.waiting))
-        for c in (ctx2, ctx):
-            m = self._plain_loss(c)
+        for c, m in ((ctx2, self._plain_loss(ctx2)), (ctx, ar_here)):
             if m is not None:
                 return spec_now / (m / bins.norm(c, b2i)), spec_now
         return None
 
-    def _plain_loss(self, ctx) -> float | None:
+    def _plain_loss(self, ctx, means: dict | None = None) -> float | None:
         """Plain decoding's loss in `ctx` as an offload would hold it, run after run: its
         settled steps' (:class:`SettledPlain`) where enough were measured, else the bandit's
         mean of all its steps, the turn-off's transient in them (None: too little measured)."""
@@ -510,7 +518,7 @@ class MemoryRule:
         settled = self.settled_plain.loss(ctx, min_obs)
         if settled is not None:
             return settled
-        m = self._bandit.means(ctx).get(AR.arm)
+        m = (means if means is not None else self._bandit.means(ctx)).get(AR.arm)
         return m[0] if m is not None and m[1] >= min_obs else None
 
     def summary(self) -> dict:

@@ -312,7 +312,7 @@ class Planner:
             self._switch.observe_off(o.tokens_committed)
         if decision.mode is Mode.AR and not trying and not unpriced:
             self._memory.observe_ar(cost.wall_s, cost.tokens, o.forward_cores,
-                                    settled=None if settling else (ctx, cost.loss, cost.weight))
+                                    settled_in=None if settling else ctx, loss=cost.loss, weight=cost.weight)
             self._switch.turn_off.observe(cost.wall_s, cost.tokens, first=turning_off)
         elif decision.uses_drafter:
             if decision.mode is Mode.PSD and not unpriced:

@@ -842,6 +842,13 @@ def test_decide_handles_a_new_context_bin_almost_every_step():
 # that fits with the drafter on the device (8), plain decoding at the batch the drafter's memory
 # would admit as KV cache (8 x growth): only the memory-aware rule finds that.
 
+def turn_off_slowdown(since_drafting: int, x: float) -> float:
+    """The turn-off's transient, as measured through tritonserver on a CPU host: the first four
+    plain steps after a drafting one cost x, the next three half that extra."""
+    k = since_drafting
+    return x if 0 < k <= 4 else (1 + x) / 2 if 4 < k <= 7 else 1.0
+
+
 class KVBoundEngine:
     """`demand` requests want to run; the pool holds `base` of them with the drafter on the
     device and `base * growth` with it offloaded. The planner's decisions run on the synthetic
@@ -890,8 +897,7 @@ class KVBoundEngine:
             d_ran = d
         wall, tokens, nseq = true_step(d_ran.mode, d_ran.gamma, b)
         self._since_drafting = 0 if d_ran.uses_drafter else self._since_drafting + 1
-        k, x = self._since_drafting, self.turn_off
-        slow = x if 0 < k <= 4 else (1 + x) / 2 if 4 < k <= 7 else 1.0
+        slow = turn_off_slowdown(self._since_drafting, self.turn_off)
         wall *= slow * (1.0 + 0.05 * self.rng.standard_normal())
         if self.offloaded:
             wall *= self.offloaded_slowdown
@@ -1057,7 +1063,7 @@ def _offload_gain_after_blocks(turn_off: float, settle_steps: int = 7) -> tuple[
         p.decide(s)                  # the arms run on a schedule, whatever the planner would pick
         wall, tokens, nseq = true_step(ran.mode.value, ran.gamma, 8)
         since_drafting = 0 if ran.uses_drafter else since_drafting + 1
-        slow = turn_off if 0 < since_drafting <= 4 else (1 + turn_off) / 2 if 4 < since_drafting <= 7 else 1.0
+        slow = turn_off_slowdown(since_drafting, turn_off)
         wall *= slow * (1.0 + 0.03 * rng.standard_normal())
         fed = nseq * (ran.gamma + 1)
         p.observe(ran, StepOutcome(step_wall_s=wall, tokens_committed=int(round(tokens)), batch_size=nseq,
