@@ -5,6 +5,7 @@ import pytest
 
 from backend.engine.engine import Engine
 from backend.engine.config import ConfigError, EngineConfig
+from backend.mode import Mode
 from backend.sampling.params import SamplingParams
 from helpers.arms import force_arms
 from helpers.engines import block_bytes
@@ -234,5 +235,35 @@ def test_steady_plain_decoding_skips_the_snapshot_until_the_batch_leaves_its_bin
             step()
         assert [tokens["a"], tokens["b"]] == ar_outputs[:2]
         assert planner.held_steps > held, "the two requests' steady steps were not held"
+    finally:
+        engine.close()
+
+
+def test_batch_parallel_steps_that_drafted_in_line_are_scored_to_the_psd_arm(prompts, ar_outputs):
+    """Batch-parallel SD issued, a step with a sequence that had nothing drafted for it (a new
+    request's first decoding step) drafts it in line and runs as sequential SD: the planner is
+    told PSD ran (its arm pays those steps, as a fixed PSD run does), not the SD arm; the
+    outputs are plain decoding's."""
+    engine = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="auto",
+                                 drafter_device="cpu", gamma=2, gamma_max=2, planner={"modes": ["psd"]}))
+    planner = engine.adaptive.planner
+    steps = []                        # (the mode the step ran, what the planner was told ran)
+    real_engine_observe, real_observe = engine.adaptive.observe, planner.observe
+
+    def engine_observe(plan, step, reload_s):
+        steps.append([step.mode, step.drafted, None])
+        real_engine_observe(plan, step, reload_s)
+
+    def observe(issued, o):
+        steps[-1][2] = (issued, o.ran if o.ran is not None else issued)
+        real_observe(issued, o)
+    engine.adaptive.observe, planner.observe = engine_observe, observe
+    try:
+        outputs = engine.generate(prompts, GREEDY)
+        assert [c.output_ids for c in outputs] == ar_outputs
+        in_line = [told for mode, drafted, told in steps
+                   if mode is Mode.SD and drafted and told[0].mode is Mode.PSD]
+        assert in_line, "no batch-parallel step drafted in line"
+        assert all(ran == issued for issued, ran in in_line), in_line
     finally:
         engine.close()
