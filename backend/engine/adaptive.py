@@ -221,7 +221,8 @@ class AdaptiveController:
         # its way back, or nothing proposed) is plain decoding. Batch-parallel SD that drafted in
         # line (a sequence with nothing drafted for it, the other sub-batch with nothing to draft)
         # is PSD's own cost: a fixed PSD run pays those steps too, and scored to SD they left
-        # PSD's mean about a tenth of its time short at batch 4 (a 2 ms token against 0.53).
+        # PSD's mean about a tenth of its time short at batch 4 (a 2 ms token against 0.53:
+        # benchmarks/results/promise-e1907d3/levels-ab/trace-c4/).
         issued = self._issued
         if not step.drafted:
             ran = AR

@@ -21,7 +21,9 @@ from planner.arms import arm_str
 
 LEVEL = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 captured = {}
-rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])   # class -> steps, seconds, tokens, scored loss x weight
+# (how the planner used a step, its arm) -> steps, seconds, tokens, scored loss x weight, weight
+rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+why_played = collections.Counter()    # (trying cores, fed prompts, prompts unpriced) -> steps
 state = {"on": False, "action": None}
 _build, _record = BL.build_engines, BL._run_record
 
@@ -49,15 +51,11 @@ def hook(planner):
         if ctx != planner.bins.context(LoadSignals(batch_size=LEVEL)):
             return
         if state["action"] and state["action"][0] == "played":
-            why = rows.setdefault("why", collections.Counter())
-            why[(o.trying_cores, o.prefill_tokens > 0, state.get("unpriced"))] += 1
+            why_played[(o.trying_cores, o.prefill_tokens > 0, state.get("unpriced"))] += 1
         how, arm, lw, w = (state["action"] or ("no arm", arm_str(ran.arm) if o.decoded else "prompts only", 0.0, 0.0))[:4]
         r = rows[(how, arm)]
-        r[0] += 1
-        r[1] += o.step_wall_s
-        r[2] += o.tokens_committed
-        r[3] += lw
-        rows[(how, arm, "w")][3] += w
+        for i, v in enumerate((1, o.step_wall_s, o.tokens_committed, lw, w)):
+            r[i] += v
     real_measure = planner._loss.measure
 
     def measure(*a, **k):
@@ -98,14 +96,13 @@ if __name__ == "__main__":      # (a drafter worker re-imports this module: noth
     BL.build_engines, BL._run_record, BL.run_level = build, record, run_level
     cli.main(["bench", "levels", "--paths", "in-process", "--concurrency", str(LEVEL), "--repeats", "2",
               "--json", "/tmp/scored_time.json"] + sys.argv[2:])
-    print("played, by (trying cores, fed prompts, unpriced):", rows.pop("why", None))
-    total = sum(r[1] for k, r in rows.items() if len(k) == 2)
-    tokens = sum(r[2] for k, r in rows.items() if len(k) == 2)
+    print("played, by (trying cores, fed prompts, unpriced):", why_played or None)
+    total = sum(r[1] for r in rows.values())
+    tokens = sum(r[2] for r in rows.values())
     print(f"auto at concurrency {LEVEL}, measured runs, bin {captured['auto'][0].planner.bins.context(LoadSignals(batch_size=LEVEL))}: {total:.2f} s of steps, {tokens:.0f} tokens, "
           f"{1e3 * total / tokens:.3f} ms a token")
-    for k in sorted(k for k in rows if len(k) == 2):
-        n, s, t, lw = rows[k]
-        w = rows[k + ("w",)][3]
+    for k in sorted(rows):
+        n, s, t, lw, w = rows[k]
         scored = f"  scored mean {1e3 * lw / w:.3f}" if w else ""
         print(f"  {k[0]:7s} {k[1]:13s} steps {n:5d}  {100 * s / total:5.1f} % of the time  "
               f"{1e3 * s / max(t, 1):7.3f} ms a token{scored}")
