@@ -174,8 +174,7 @@ class SettledPlain:
     2-core CPU host through tritonserver, a plain forward's first four steps after drafting took
     1.3-1.4x a settled one's, the next three 1.2x: the caches the drafter's forwards displaced),
     and where the bandit plays plain decoding in short blocks between drafting ones, most of its
-    mean was that transient (now scored at its settled equivalent once the window's places are
-    measured against these settled steps: :class:`~planner.switch_cost.TurnOffTail`). An offload holds plain decoding for the whole overload, so its gain
+    mean is that transient. An offload holds plain decoding for the whole overload, so its gain
     is weighed on the settled cost. A discounted mean of the bandit's losses (rescaled to the
     context's reference batch), weighted as the bandit weighs them."""
 
@@ -514,8 +513,7 @@ class MemoryRule:
     def _plain_loss(self, ctx, means: dict | None = None) -> float | None:
         """Plain decoding's loss in `ctx` as an offload would hold it, run after run: its
         settled steps' (:class:`SettledPlain`) where enough were measured, else the bandit's
-        mean of all its steps, the turn-off's transient in them until a settled loss somewhere
-        has measured it (None: too little measured)."""
+        mean of all its steps, the turn-off's transient in them (None: too little measured)."""
         min_obs = self.cfg.gain_min_obs
         settled = self.settled_plain.loss(ctx, min_obs)
         if settled is not None:

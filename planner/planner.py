@@ -302,18 +302,11 @@ class Planner:
         # for as long as the bounds take to reopen.
         trying = decision.mode is Mode.AR and o.trying_cores
         unpriced = cost.prefill_unpriced
-        loss = cost.loss
-        # The plain steps after the first still carry part of the turn-off (SwitchCost.turn_off_tail):
-        # scored at their settled equivalent, their extra priced into the turn-off.
-        if loss is not None and settling and not (drafting or turning_off or trying or unpriced):
-            tail = self._switch.turn_off_tail
-            tail.observe(self._plain_run, loss, self._memory.settled_plain.loss(ctx, self.config.gain_min_obs))
-            loss = tail.settled_equivalent(self._plain_run, loss)
-        if loss is not None and decision.arm in self._decisions:
+        if cost.loss is not None and decision.arm in self._decisions:
             if turning_off or filling or trying or unpriced:
                 self.bandit.count_play(ctx, decision.arm)
             else:
-                self.bandit.update(ctx, decision.arm, loss, cost.weight)
+                self.bandit.update(ctx, decision.arm, cost.loss, cost.weight)
         self._ran_last = decision
         if not decision.uses_drafter:       # the drafter falls behind by what this step committed
             self._switch.observe_off(o.tokens_committed)
@@ -413,17 +406,9 @@ class Planner:
         if step != self.steps:
             prices = (self._as_loss(self.estimated_switch_cost_s()),
                       self._as_loss(self._switch.psd_fill.charge_s),
-                      self._as_loss(self._switch.turn_off.charge_s) + self._turn_off_tail_price())
+                      self._as_loss(self._switch.turn_off.charge_s))
             self._prices = (self.steps, prices)
         return prices
-
-    def _turn_off_tail_price(self) -> float:
-        """The turn-off's steps after its first, in this bin's loss units: their measured extra
-        over plain decoding's settled loss here (or, before one is known, its measured mean)."""
-        base = self._memory.settled_plain.loss(self._ctx, self.config.gain_min_obs)
-        if base is None:
-            base = self.bandit.measured(self._ctx).get(AR.arm, (None,))[0]
-        return self._switch.turn_off_tail.extra(base) if base else 0.0
 
     def _as_loss(self, seconds: float) -> float:
         """Seconds of one step, in this bin's loss units (summed per-token latencies)."""

@@ -18,12 +18,7 @@ the plain steps after it (the drafter's cores change hands, a pipelined draft is
 ``SwitchCost.turn_off`` (a :class:`FirstStepExtra`) measures that extra against the other plain
 steps (an EWMA of their time per token, at the same weight) and the planner charges it to any
 sd/psd -> ar switch instead of to plain decoding's mean: a plain-decoding arm measured in short
-blocks between speculative ones would otherwise carry every turn-off in its own cost. The
-transient lasts beyond that step (after sixteen steps at gamma 4 at batch 16, the next plain
-forwards ran +18 %, +17 %, +12 %, +7 % over settled ones: ``benchmarks/results/turn-off-transient/``).
-``SwitchCost.turn_off_tail`` (a :class:`TurnOffTail`) measures each later place in the window
-(up to ``plain_settle_steps``) against plain decoding's settled loss in the same bin; the planner
-scores such a step at its settled equivalent and adds the places' extra to the turn-off's price.
+blocks between speculative ones would otherwise carry every turn-off in its own cost.
 
 Batch-parallel SD has a switch of its own: its first step after another mode has no drafts in
 hand for the sub-batch it verifies, so it drafts them in line, not overlapped (the pipeline's
@@ -71,35 +66,6 @@ class FirstStepExtra:
         return max(self.extra_s or 0.0, 0.0)
 
 
-class TurnOffTail:
-    """Plain decoding's steps 2 to ``window`` after a drafting one, each place's loss as a ratio
-    of plain decoding's settled loss in the same bin (an EWMA per place, fed only where a
-    settled loss is known). A place's ratio turns its steps' loss into their settled equivalent
-    wherever plain decoding is played, and the places' extra over settled is the turn-off's
-    price beyond its first step. Unclipped, as the first step's extra: noise averages out, and
-    only a positive sum is charged."""
-
-    def __init__(self, weight: float, window: int):
-        self.window = int(window)
-        self._weight = weight
-        self._ratio: list[float | None] = [None] * (self.window + 1)   # by place; 0 and 1 unused
-
-    def observe(self, place: int, loss: float, settled_loss: float | None) -> None:
-        if 1 < place <= self.window and settled_loss:
-            self._ratio[place] = ewma(self._ratio[place], loss / settled_loss, self._weight)
-
-    def settled_equivalent(self, place: int, loss: float) -> float:
-        r = self._ratio[place] if 1 < place <= self.window else None
-        return loss / r if r else loss
-
-    def extra(self, settled_loss: float) -> float:
-        """The window's summed extra loss over `settled_loss` (a settled step's loss)."""
-        return settled_loss * max(sum(r - 1.0 for r in self._ratio if r is not None), 0.0)
-
-    def ratios(self) -> dict[int, float]:
-        return {k: round(r, 3) for k, r in enumerate(self._ratio) if r is not None}
-
-
 class SwitchCost:
     def __init__(self, cfg: PlannerConfig, profile: CostProfile | None = None):
         self.rebuild_s_per_token: float | None = initial_rebuild_per_token(cfg, profile)
@@ -112,7 +78,6 @@ class SwitchCost:
         self._off_steps = 0                    # ar steps since the drafter last drafted
         self._lag_at_turn_on: int | None = None
         self.turn_off = FirstStepExtra(cfg.cost_ewma)   # the first plain step's after drafting
-        self.turn_off_tail = TurnOffTail(cfg.cost_ewma, cfg.plain_settle_steps)   # the steps after it
         self.psd_fill = FirstStepExtra(cfg.cost_ewma)   # the first PSD step's after another mode
 
     def lag_tokens(self) -> int:
@@ -161,6 +126,5 @@ class SwitchCost:
                 "rebuild_samples": self.rebuild_samples, "reload_samples": self.reload_samples,
                 "lag_tokens": self.lag_tokens(), "turn_on_cost_s_now": self.estimate_s(offloaded),
                 "turn_off_s": self.turn_off.extra_s, "turn_off_samples": self.turn_off.samples,
-                "turn_off_tail_ratios": self.turn_off_tail.ratios(),
                 "psd_fill_s": self.psd_fill.extra_s, "psd_fill_samples": self.psd_fill.samples,
                 "drafter_offloaded": offloaded}

@@ -1075,12 +1075,12 @@ def _offload_gain_after_blocks(turn_off: float, settle_steps: int = 7) -> tuple[
 
 def test_the_offloads_gain_is_weighed_on_settled_plain_steps_not_the_turn_offs_transient():
     # Plain decoding's first steps after drafting run slower (through tritonserver on a CPU host,
-    # 1.3-1.4x for four steps). An offload holds plain decoding for the overload: what it would
-    # buy is weighed on the settled steps, so the transient does not move the gain (nor, its
-    # steps scored at their settled equivalent, the bandit's mean).
+    # 1.3-1.4x for four steps); played in short blocks between drafting ones, the bandit's mean
+    # carries that. An offload holds plain decoding for the overload: what it would buy is
+    # weighed on the settled steps, so the transient moves the bandit's mean, not the gain.
     gain, plain_mean = _offload_gain_after_blocks(1.0)
     gain_t, plain_mean_t = _offload_gain_after_blocks(1.4)
-    assert plain_mean_t == pytest.approx(plain_mean, rel=0.04)
+    assert plain_mean_t > 1.12 * plain_mean              # the transient is in the bandit's mean
     assert gain_t == pytest.approx(gain, rel=0.03)
     # counting every plain step as settled, the transient would keep the drafter on its device
     gain_all, _ = _offload_gain_after_blocks(1.4, settle_steps=0)
@@ -1495,45 +1495,6 @@ def test_the_first_plain_step_after_drafting_prices_the_turn_off_not_plain_decod
     q = _plain_blocks_between_drafting(turn_off_s=0.0)
     assert abs(q.stats()["switch_cost"]["turn_off_s"]) < 1e-6
     assert q._switch_cost(Decision("sd", 2).arm, AR.arm) == 0.0
-
-
-def _plain_blocks_with_a_transient(slowdown: float, rounds: int = 40) -> Planner:
-    """sd:2 for 4 steps then plain decoding for 12, `rounds` times, at batch 8: settled plain
-    steps take 4.4 ms for 8 tokens; after drafting the first plain step takes 2x, the next three
-    `slowdown` x and the three after them half that extra (the turn-off's transient:
-    benchmarks/results/turn-off-transient/)."""
-    p = Planner(PlannerConfig(modes=("ar", "sd")), gamma_max=3, psd_available=False, seed=0)
-    sd, t = Decision("sd", 2), 0.0
-    for _ in range(rounds):
-        for i, d in enumerate([sd] * 4 + [AR] * 12):
-            t += 0.005
-            p.decide(LoadSignals(batch_size=8, now=t))
-            place = i - 3
-            x = 2.0 if place == 1 else slowdown if place <= 4 else (1 + slowdown) / 2 if place <= 7 else 1.0
-            wall, tokens = (0.008, 16) if d is sd else (0.0044 * x, 8)
-            p.observe(d, StepOutcome(step_wall_s=wall, tokens_committed=tokens, batch_size=8))
-    return p
-
-
-def test_plain_decodings_mean_is_its_settled_cost_and_the_transient_prices_the_turn_off():
-    """The plain steps after the first still carry the turn-off (+5-18 % over settled ones on the
-    2-core host): plain decoding measured in blocks after drafting scored dearer than it runs
-    held. Those steps are scored at their settled equivalent, and their extra is the switch's."""
-    p = _plain_blocks_with_a_transient(slowdown=1.3)
-    ctx = p.bins.context(LoadSignals(batch_size=8))
-    ar_mean = p.bandit.measured(ctx)[AR.arm][0]
-    settled = p._memory.settled_plain.loss(ctx, 1)
-    assert ar_mean == pytest.approx(settled, rel=0.03), \
-        f"plain decoding's mean carries the transient: {ar_mean / settled:.3f}x its settled loss"
-    ratios = p.stats()["switch_cost"]["turn_off_tail_ratios"]
-    assert sorted(ratios) == [2, 3, 4, 5, 6, 7]
-    assert ratios[3] == pytest.approx(1.3, rel=0.03) and ratios[6] == pytest.approx(1.15, rel=0.03)
-    # the window's extra (3 x 0.3 + 3 x 0.15 settled steps) is priced into the turn-off
-    with_tail = p._switch_cost(Decision("sd", 2).arm, AR.arm)
-    q = _plain_blocks_with_a_transient(slowdown=1.0)
-    assert q.bandit.measured(ctx)[AR.arm][0] == pytest.approx(settled, rel=0.03)
-    assert max(q.stats()["switch_cost"]["turn_off_tail_ratios"].values()) < 1.01
-    assert with_tail - q._switch_cost(Decision("sd", 2).arm, AR.arm) == pytest.approx(1.35 * settled, rel=0.05)
 
 
 def _psd_blocks_between_sd(fill_s: float, rounds: int = 40) -> Planner:
