@@ -4,6 +4,7 @@ side is the file name without its trailing number); then per commit (`COMMIT_OF_
 medians over all its runs and, between the two commits, a rank-sum test at each concurrency.
 
     python summary.py ab/*.json aa/*.json
+    python summary.py ab/new=ef2e021 ab/old=2e414c7 ab/*.json     (SIDE=COMMIT names a side's commit)
 """
 import json
 import re
@@ -16,8 +17,9 @@ from scipy.stats import mannwhitneyu
 
 COMMIT_OF_SIDE = {"ab/new": "438072b", "aa/first": "438072b", "aa/second": "438072b", "ab/old": "0b735f0"}
 
+COMMIT_OF_SIDE.update(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 by_side: dict = defaultdict(lambda: defaultdict(list))
-for name in sys.argv[1:]:
+for name in (a for a in sys.argv[1:] if "=" not in a):
     path = Path(name)
     stem = re.sub(r"\d+$", "", path.stem)
     side = f"{path.parent.name}/{stem}"
