@@ -4,7 +4,7 @@ loss the bandit was given (or that it was only played), then the bandit's measur
 switch costs' summary at the end. Run from a checkout, with PYTHONPATH naming it (the script's
 own folder comes first on sys.path, so the checkout must be named to be the code that runs):
 
-    cd CHECKOUT && PYTHONPATH=$PWD python .../loss_dump.py 4,16 DUMP.json \
+    cd CHECKOUT && PYTHONPATH=$PWD python $REPO/benchmarks/results/turn-off-tail-tried/loss_dump.py 4,16 DUMP.json \
         --configs auto,ar-2dev,psd --repeats 2 --json LEVELS.json
 
 The first argument is `bench levels --concurrency`; the rest go to `bench levels`."""

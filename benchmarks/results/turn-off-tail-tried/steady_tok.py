@@ -3,7 +3,7 @@
 phases (steps 200-800 at demand 80-90 and 1500-2100 at demand 60-70), with and without PSD. Run
 from a checkout (it imports that checkout's tests and planner):
 
-    cd CHECKOUT && PYTHONPATH=$PWD python .../steady_tok.py
+    cd CHECKOUT && PYTHONPATH=$PWD python $REPO/benchmarks/results/turn-off-tail-tried/steady_tok.py
 """
 import sys
 
