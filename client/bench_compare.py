@@ -80,8 +80,32 @@ def _apply(p: Placement) -> None:
     torch.set_num_threads(p.threads)
 
 
+def planner_variant(name: str) -> dict | None:
+    """The planner settings of a configuration named ``auto@KEY=VALUE+KEY=VALUE`` (mode auto with
+    those settings, e.g. ``auto@plain_settle_steps=3+prune=false``; each VALUE is read as JSON,
+    else taken as a string), None for any other name. The settings are checked where the engine's
+    config is: an unknown key or a wrong type fails before anything loads."""
+    base, at, spec = name.partition("@")
+    if base != "auto" or not at:
+        return None
+    pairs = [item.split("=", 1) for item in spec.split("+")]
+    if not spec or any(len(p) != 2 or not p[0] for p in pairs):
+        raise ValueError(f"config {name!r}: expected auto@KEY=VALUE[+KEY=VALUE...]")
+    settings = {}
+    for key, text in pairs:
+        try:
+            settings[key] = json.loads(text)
+        except ValueError:
+            settings[key] = text
+    return settings
+
+
 def engine_config(name: str, args) -> tuple[dict, Placement]:
     """One configuration's engine keys (also a server's engine.json) and its target's placement."""
+    variant = planner_variant(name)
+    if variant is not None:
+        cfg, placement = engine_config("auto", args)
+        return cfg | {"planner": variant}, placement
     one, both = _placements()
     cfg = dict(target=args.target, device=args.device, dtype=args.dtype,
                kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0, **executor_args(args))

@@ -8,6 +8,9 @@ both paths a user meets, in process and through a real tritonserver, it runs sid
   sd       sequential SD, the drafter in its worker on its own core
   psd      batch-parallel SD, the same two devices
   auto     mode auto: the planner picks plain decoding, SD or PSD and gamma per step
+  auto@KEY=VALUE[+KEY=VALUE]   mode auto with those planner settings, beside auto: each
+           repeat's ratio to auto is reported (the two ran minutes apart in the same rotation,
+           so a change tried as a setting is weighed without the drift between separate runs)
 
 and reports auto's throughput against the best fixed configuration of that level (the
 "best fixed" includes plain decoding on every core) and against plain decoding on every core.
@@ -44,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from client.bench_compare import build_engines, engine_config, run_level
+from client.bench_compare import build_engines, engine_config, planner_variant, run_level
 from client.bench_offline import add_engine_args
 from client.plotting import pyplot
 from client.prompts import load_prompts
@@ -69,7 +72,9 @@ def add_levels_parser(bench_sub) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompts", default=None, help='a prompts file, or a bundled set: "heldout" (default)')
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated; auto@KEY=VALUE[+KEY=VALUE] adds mode auto with those planner "
+                        "settings, reported against auto repeat by repeat")
     p.add_argument("--paths", default=",".join(PATHS), help="in-process, server, or both")
     p.add_argument("--server-client", choices=("perf_analyzer", "python"), default="perf_analyzer",
                    help="who loads the server: perf_analyzer (C++) or gRPC streams from this process")
@@ -82,9 +87,16 @@ def add_levels_parser(bench_sub) -> None:
 
 def run_levels_cli(args) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and planner_variant(n) is None]
     if unknown:
-        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS}")
+        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS} or auto@KEY=VALUE[+KEY=VALUE]")
+    from planner import PlannerConfig
+    for n in names:                 # a variant's settings, checked before any engine loads
+        if planner_variant(n) is not None:
+            try:
+                PlannerConfig.from_dict(planner_variant(n))
+            except ValueError as e:
+                raise ValueError(f"config {n!r}: {e}") from None
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in PATHS for p in paths):
         raise ValueError(f"--paths: choose from {PATHS}, got {args.paths!r}")
@@ -287,7 +299,7 @@ def summarise(runs: list[dict]) -> list[dict]:
                 vals = [r["tokens_per_s"] for r in mine if r["config"] == name]
                 tok[name] = statistics.median(vals)
                 spread[name] = [min(vals), max(vals)]
-            fixed = [n for n in tok if n != ADAPTIVE]
+            fixed = [n for n in tok if not adaptive(n)]
             row = {"path": path, "concurrency": level, "tokens_per_s": tok, "range": spread}
             if fixed:
                 best = max(fixed, key=tok.get)
@@ -297,6 +309,10 @@ def summarise(runs: list[dict]) -> list[dict]:
                 row["auto_over_best_fixed_by_repeat"] = _paired(mine, best)
             if ADAPTIVE in tok and "ar-2dev" in tok:
                 row["auto_over_ar_all_cores"] = tok[ADAPTIVE] / tok["ar-2dev"]
+            variants = {n: _variant_row(mine, n, tok, best if fixed else None)
+                        for n in tok if adaptive(n) and n != ADAPTIVE}
+            if variants:
+                row["variants"] = variants
             shares = arm_shares([r for r in mine if r["config"] == ADAPTIVE])
             if shares:
                 row["auto_arm_shares"] = shares
@@ -310,10 +326,27 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def _paired(runs: list[dict], best: str) -> list[float]:
-    """auto / best fixed within each repeat (the two ran minutes apart, not hours)."""
+def adaptive(name: str) -> bool:
+    """Mode auto, as it ships or with planner settings of its own (never a fixed configuration)."""
+    return name == ADAPTIVE or planner_variant(name) is not None
+
+
+def _paired(runs: list[dict], best: str, name: str = ADAPTIVE) -> list[float]:
+    """`name` / `best` within each repeat (the two ran minutes apart, not hours)."""
     by = {(r["config"], r["repeat"]): r["tokens_per_s"] for r in runs}
-    return [by[(ADAPTIVE, k)] / by[(best, k)] for (c, k) in by if c == ADAPTIVE and (best, k) in by]
+    return [by[(name, k)] / by[(best, k)] for (c, k) in by if c == name and (best, k) in by]
+
+
+def _variant_row(runs: list[dict], name: str, tok: dict, best: str | None) -> dict:
+    """A planner variant against auto, repeat by repeat, and against the best fixed configuration."""
+    row: dict = {"arm_shares": arm_shares([r for r in runs if r["config"] == name])}
+    if ADAPTIVE in tok:
+        by_repeat = _paired(runs, ADAPTIVE, name)
+        row["over_auto_by_repeat"] = by_repeat
+        row["over_auto"] = statistics.median(by_repeat) if by_repeat else None
+    if best is not None:
+        row["over_best_fixed"] = tok[name] / tok[best]
+    return row
 
 
 def format_table(rows: list[dict]) -> str:
@@ -330,6 +363,13 @@ def format_table(rows: list[dict]) -> str:
                      + (f"  (warm-up: auto/best {r['warmup_auto_over_best_fixed']:.2f}"
                         + (f", played {_top_arms(r['auto_warmup_arm_shares'])}" if "auto_warmup_arm_shares" in r else "")
                         + ")" if "warmup_auto_over_best_fixed" in r else ""))
+        for name, v in r.get("variants", {}).items():
+            over_auto = (f"/ auto {v['over_auto']:.3f} (by repeat "
+                         + " ".join(f"{x:.3f}" for x in v["over_auto_by_repeat"]) + ")"
+                         if v.get("over_auto") is not None else "")
+            lines.append(f"{'':<16}{name}: {over_auto}"
+                         + (f", / best fixed {v['over_best_fixed']:.2f}" if "over_best_fixed" in v else "")
+                         + (f", played {_top_arms(v['arm_shares'])}" if v["arm_shares"] else ""))
     return "\n".join(lines)
 
 
@@ -348,7 +388,7 @@ def draw(rows: list[dict], path: str) -> None:
         xs = [r["concurrency"] for r in rs]
         for name in dict.fromkeys(n for r in rs for n in r["tokens_per_s"]):
             ax.plot(xs, [r["tokens_per_s"].get(name) for r in rs], marker="o", label=name,
-                    lw=2.5 if name == ADAPTIVE else 1.2)
+                    lw=2.5 if adaptive(name) else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("tokens/s")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from client.bench_compare import FullLoad
+from client.bench_compare import FullLoad, engine_config, planner_variant
 from client.bench_levels import ENGINE_COUNTERS, format_table, summarise
 
 
@@ -51,6 +51,41 @@ def test_auto_arm_shares_add_up_the_steps_of_its_repeats():
     assert row["auto_arm_shares"] == pytest.approx({"psd:2": 0.5, "ar": 0.4, "sd:4": 0.1})
     assert list(row["auto_arm_shares"]) == ["psd:2", "ar", "sd:4"]        # the most played first
     assert "auto played psd:2:50% ar:40% sd:4:10%" in format_table([row])
+
+
+def test_a_planner_variant_is_weighed_against_auto_repeat_by_repeat_and_is_never_best_fixed():
+    runs = [_run("in-process", "ar-2dev", 4, k, t) for k, t in ((0, 100.0), (1, 80.0))] + \
+           [_run("in-process", "auto", 4, k, t) for k, t in ((0, 90.0), (1, 60.0))] + \
+           [_run("in-process", "auto@prune=false", 4, k, t) | {"arm_steps": {"ar": 3, "sd:2": 1}}
+            for k, t in ((0, 99.0), (1, 63.0))]
+    (row,) = summarise(runs)
+    assert row["best_fixed"] == "ar-2dev"             # 81.0 median: above it, still not fixed
+    v = row["variants"]["auto@prune=false"]
+    assert v["over_auto_by_repeat"] == pytest.approx([1.1, 1.05])
+    assert v["over_auto"] == pytest.approx(1.075)
+    assert v["over_best_fixed"] == pytest.approx(81.0 / 90.0)
+    assert v["arm_shares"] == pytest.approx({"ar": 0.75, "sd:2": 0.25})
+    assert row["auto_over_best_fixed"] == pytest.approx(75.0 / 90.0)
+    assert "auto@prune=false: / auto 1.075 (by repeat 1.100 1.050), / best fixed 0.90, played ar:75% sd:2:25%" \
+        in format_table([row])
+
+
+def test_a_planner_variant_names_its_settings_and_a_bad_one_fails_before_anything_loads():
+    args = SimpleNamespace(target="t", drafter="d", device="cpu", dtype="float32", kv_cache_mb=64, gamma=4,
+                           attention="auto")
+    assert planner_variant("auto") is None and planner_variant("sd") is None
+    assert planner_variant("auto@plain_settle_steps=3+prune=false+offload_gain=1.1") == {
+        "plain_settle_steps": 3, "prune": False, "offload_gain": 1.1}
+    with pytest.raises(ValueError, match="auto@KEY=VALUE"):
+        planner_variant("auto@prune")
+    cfg, _ = engine_config("auto@prune=false", args)
+    base, _ = engine_config("auto", args)
+    assert cfg == base | {"planner": {"prune": False}}
+    for bad, why in (("auto@no_such_setting=1", "unknown setting"), ("auto@prune=3", "prune: must be true or false")):
+        out = subprocess.run([sys.executable, "-m", "client.cli", "bench", "levels", "--configs", f"ar-2dev,{bad}",
+                              "--paths", "in-process", "--json", "/dev/null"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode != 0 and why in out.stderr and "loading" not in out.stderr, out.stderr[-2000:]
 
 
 def test_a_levels_warm_up_is_left_out_of_its_figures_and_reported_apart():
