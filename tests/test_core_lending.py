@@ -16,6 +16,7 @@ from backend.engine.config import ConfigError, EngineConfig
 from backend.engine.core_lending import CoreLending
 from backend.engine.engine import Engine
 from backend.engine.loop import EngineLoop
+from backend.model.linear import ROW_LADDER, Linear
 from backend.sampling.params import SamplingParams
 from backend.batching.scheduler import ScheduledSeq
 from backend.speculation.placement import CpuPlacement
@@ -45,6 +46,9 @@ def test_plain_decoding_borrows_the_drafter_cores_and_speculation_gives_them_bac
     try:
         target_cores = set(place.target_cores)
         assert torch.get_num_threads() == 1
+        # its kernels' verdicts for the lent cores' thread count too (backend.model.linear)
+        lin = next(m for m in e.target.modules() if isinstance(m, Linear))
+        assert set(lin._by_threads) == {len(all_cores)} and len(lin._use_packed) == len(ROW_LADDER)
         seen = []
         decisions = iter(["ar"] * (ctl.LEND_AFTER_STEPS + 8) + ["sd"] * 3)
         real_decide = e.adaptive.planner.decide

@@ -41,6 +41,44 @@ def test_both_kernels_compute_the_same_linear(drafter, tmp_path, monkeypatch):
     assert all(m.packed is None for m in drafter.modules() if isinstance(m, Linear))
 
 
+def test_each_thread_count_runs_the_kernels_measured_at_that_count(drafter, tmp_path, monkeypatch):
+    """A target packed at one thread and also run on the drafter's lent cores (two threads)
+    uses, on each forward, the verdicts of the thread count in force: one thread's verdicts
+    had MKL at 4 rows where, on two threads, the packed kernel took 2.26 ms against 3.99."""
+    from backend.model.linear import add_thread_verdicts
+    if not packing_supported(drafter.layers[0].mlp.down_proj.weight):
+        pytest.skip("oneDNN is not available in this torch build")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernels = tmp_path / "nightdraft" / "kernels"
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    lin, x = drafter.layers[0].mlp.down_proj, torch.randn(4, drafter.layers[0].mlp.down_proj.in_features)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            kernels.mkdir(parents=True)
+            pack_linears(drafter, reps=1)                      # measured, then set: MKL at one thread
+            (one,) = kernels.glob("*.json")
+            one.write_text(json.dumps([False] * len(ROW_LADDER)))
+            assert set(pack_linears(drafter).values()) == {"mkl"} and lin.packed is None
+            torch.set_num_threads(2)
+            add_thread_verdicts(drafter, reps=1)               # measured at two threads, then set: packed
+            (two,) = set(kernels.glob("*.json")) - {one}
+            two.write_text(json.dumps([True] * len(ROW_LADDER)))
+            lin._by_threads = {}
+            assert set(add_thread_verdicts(drafter).values()) == {"packed"} and lin.packed is not None
+            plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            calls.clear()                                      # (the measurements called it too)
+            assert torch.allclose(lin(x), plain, atol=1e-5, rtol=1e-5) and len(calls) == 1
+            torch.set_num_threads(1)
+            assert torch.equal(lin(x), plain) and len(calls) == 1      # one thread: MKL, as measured
+    finally:
+        torch.set_num_threads(threads)
+        drop_packed(drafter)
+
+
 def test_the_floor_is_below_a_real_forward(drafter):
     from backend.model.kv_cache import PagedKVCache
     kv = PagedKVCache.for_model(drafter.config, 1 << 20, block_size=16)

@@ -42,6 +42,7 @@ from backend.engine.requests import Requests
 from backend.engine.step_trace import StepTrace
 from backend.mode import Mode, ProposerKind
 from backend.model.kv_cache import PagedKVCache
+from backend.model.linear import add_thread_verdicts
 from backend.model.parallel import build_target_runner
 from backend.model.tokenizer import Tokenizer
 from backend.sampling.params import SamplingParams
@@ -74,6 +75,12 @@ class Engine:
         # One device, or a tensor-parallel group whose driver this process is (backend.model.parallel).
         self.runner = build_target_runner(config, self.dtype)
         self.target, self.kv = self.runner.model, self.runner.kv
+        if self._placement is not None and config.linear_kernels == "auto" and config.tensor_parallel_size == 1:
+            # Plain decoding on the drafter's lent cores (and a big forward borrowing them) runs
+            # on more threads than the target was packed at: its kernels' verdicts for those too,
+            # measured on those cores before the worker starts on them.
+            with self._placement.borrowing():
+                add_thread_verdicts(self.target)
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
