@@ -43,8 +43,9 @@ def test_both_kernels_compute_the_same_linear(drafter, tmp_path, monkeypatch):
 
 def test_each_thread_count_runs_the_kernels_measured_at_that_count(drafter, tmp_path, monkeypatch):
     """A target packed at one thread and also run on the drafter's lent cores (two threads)
-    uses, on each forward, the verdicts of the thread count in force: one thread's verdicts
-    had MKL at 4 rows where, on two threads, the packed kernel took 2.26 ms against 3.99."""
+    uses, on each forward, the verdicts of the thread count in force: one thread's verdicts for
+    the bundled target chose MKL for most row counts, two threads' the packed kernel for all
+    (benchmarks/results/lent-kernels/)."""
     from backend.model.linear import add_thread_verdicts
     if not packing_supported(drafter.layers[0].mlp.down_proj.weight):
         pytest.skip("oneDNN is not available in this torch build")

@@ -76,9 +76,9 @@ class Engine:
         self.runner = build_target_runner(config, self.dtype)
         self.target, self.kv = self.runner.model, self.runner.kv
         if self._placement is not None and config.linear_kernels == "auto" and config.tensor_parallel_size == 1:
-            # Plain decoding on the drafter's lent cores (and a big forward borrowing them) runs
-            # on more threads than the target was packed at: its kernels' verdicts for those too,
-            # measured on those cores before the worker starts on them.
+            # Forwards on the drafter's lent or borrowed cores (prompts, a big forward, any step
+            # run op by op) run on more threads than the target was packed at: its kernels'
+            # verdicts for those too, measured on those cores before the worker starts on them.
             with self._placement.borrowing():
                 add_thread_verdicts(self.target)
         mc = self.target.config

@@ -12,11 +12,13 @@ and lets each layer use the faster one; nothing changes where oneDNN is unavaila
 kept on disk (under ``$XDG_CACHE_HOME/nightdraft/kernels``), keyed by the layers' shapes, the
 thread count, torch and the CPU, so only the first engine of a kind pays the second it takes.
 
-The verdicts hold for one thread count: on the 2-core host the target's layers at 4 rows took
-3.99 ms with MKL and 2.26 ms packed on two threads, where one thread's verdict was MKL. A
-target that also runs on more threads (plain decoding on the drafter's lent cores) adds that
-count's verdicts with ``add_thread_verdicts``, and each forward uses the verdicts of the thread
-count in force.
+The verdicts hold for one thread count: on the 2-core host, one thread's verdicts for the
+bundled target chose MKL for most row counts and two threads' chose the packed kernel for all
+(`benchmarks/results/lent-kernels/`). A target built at one thread beside a CPU drafter also
+runs forwards on two, on the drafter's lent or borrowed cores: the prompts of a step that feeds
+only prompts, a big forward, and every step where compiling is off (a compiled step picks its
+own GEMMs). It adds that count's verdicts with ``add_thread_verdicts``, and each forward uses
+the verdicts of the thread count in force.
 """
 from __future__ import annotations
 
