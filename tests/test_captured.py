@@ -7,6 +7,7 @@ conftest.py): compiling costs tens of seconds per model shape, once per process.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.model.attention import kernels
-from backend.model.captured import CompiledStep
+from backend.model.captured import CompiledStep, compiled_graphs
 from backend.model.kv_cache import PagedKVCache
 from backend.model.loader import load_model
 from backend.model.runner import ModelRunner
@@ -153,6 +154,26 @@ def test_compiled_engines_decode_what_plain_eager_decoding_does(prompts, plain_e
             assert drafter_runner.captured is not None and drafter_runner.captured_forwards > 0
         if mode != "ar":
             assert engine.stats().drafted_tokens > 0
+    finally:
+        engine.close()
+    assert got == plain_eager_tokens
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores: one for the drafter")
+def test_plain_decoding_on_the_lent_cores_runs_a_graph_made_with_the_engine(prompts, plain_eager_tokens):
+    """Mode auto lends the drafter's core to plain decoding: the target's compiled step then runs
+    on two threads, where it was compiled at one, and the compiler guards on the thread count.
+    That graph is made with the engine, not at the first lent step: there it stalled every
+    running request 12.8 s (benchmarks/results/lent-kernels/lend_stall.txt)."""
+    engine = _engine(mode="auto", compile="on", drafter_device="cpu", planner={"modes": ("ar",)},
+                     planner_cost_profile="off", lend_drafter_cores=True)
+    try:
+        graphs = compiled_graphs()
+        lent = []
+        got = [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=3,
+                                                     on_step=lambda _: lent.append(engine._placement.lent))]
+        assert sum(lent) > len(lent) // 2 and engine.runner.captured_forwards > 0
+        assert compiled_graphs() == graphs, "a graph was compiled while requests ran"
     finally:
         engine.close()
     assert got == plain_eager_tokens

@@ -75,12 +75,19 @@ class Engine:
         # One device, or a tensor-parallel group whose driver this process is (backend.model.parallel).
         self.runner = build_target_runner(config, self.dtype)
         self.target, self.kv = self.runner.model, self.runner.kv
-        if self._placement is not None and config.linear_kernels == "auto" and config.tensor_parallel_size == 1:
-            # Forwards on the drafter's lent or borrowed cores (prompts, a big forward, any step
-            # run op by op) run on more threads than the target was packed at: its kernels'
-            # verdicts for those too, measured on those cores before the worker starts on them.
+        if self._placement is not None and config.tensor_parallel_size == 1:
+            # Forwards on the drafter's lent or borrowed cores run on more threads than the target
+            # was built at: its kernels' verdicts for that count (prompts, a big forward, any step
+            # run op by op) and, where mode auto lends them to plain decoding, its compiled step's
+            # graph for it (the compiler guards on the thread count), made now on those cores,
+            # before the worker starts there. Compiled at the first lent step instead, it stalled
+            # every running request 12.8 s (benchmarks/results/lent-kernels/lend_stall.txt).
+            captured = getattr(self.runner, "captured", None)
             with self._placement.borrowing():
-                add_thread_verdicts(self.target)
+                if config.linear_kernels == "auto":
+                    add_thread_verdicts(self.target)
+                if captured is not None and config.mode is Mode.AUTO and config.lend_drafter_cores is not False:
+                    captured.warm_up(self.kv)
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
