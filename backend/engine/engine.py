@@ -81,7 +81,8 @@ class Engine:
             # run op by op) and, where mode auto lends them to plain decoding, its compiled step's
             # graph for it (the compiler guards on the thread count), made now on those cores,
             # before the worker starts there. Compiled at the first lent step instead, it stalled
-            # every running request 12.8-16.7 s (benchmarks/results/lent-kernels/lend_stall.txt).
+            # every running request 16.7 s with a fresh compile cache
+            # (benchmarks/results/lent-kernels/lend_stall.txt).
             captured = getattr(self.runner, "captured", None)
             with self._placement.borrowing():
                 if config.linear_kernels == "auto":
