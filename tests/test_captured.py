@@ -180,6 +180,24 @@ def test_plain_decoding_on_the_lent_cores_runs_a_graph_made_with_the_engine(prom
     assert got == plain_eager_tokens
 
 
+def test_a_compiler_that_gives_up_on_the_lent_cores_leaves_the_step_op_by_op(drafter_model, compiled_drafter,
+                                                                              monkeypatch, caplog):
+    """The warm-up on the lent cores (Engine, mode auto) compiles again; a compiler that gives
+    up there costs speed, never the engine's load."""
+    step, kv = compiled_drafter
+    runner = ModelRunner(drafter_model, kv, step)
+
+    def gives_up(_kv):
+        raise torch._dynamo.exc.Unsupported("a thread count the compiler gives up on")
+    monkeypatch.setattr(step, "warm_up", gives_up)
+    with caplog.at_level(logging.ERROR, logger="nightdraft.runner"):
+        runner.warm_up_captured("on the drafter's lent cores")
+    assert runner.captured is None and "failed to compile on the drafter's lent cores" in caplog.text
+    assert kv.ensure_capacity("r", 21)
+    assert runner.forward(["r"], [20], [1], [5], [0]).shape[0] == 1 and runner.eager_forwards == 1
+    kv.free("r")
+
+
 def test_a_compiled_drafter_survives_offload_and_reload(prompts, plain_eager_tokens):
     """Offloading moves the weights and drops the KV pool; the compiled step takes the reloaded
     weights and the new pool as they are (no recompilation, same tokens)."""

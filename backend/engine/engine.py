@@ -83,12 +83,11 @@ class Engine:
             # before the worker starts there. Compiled at the first lent step instead, it stalled
             # every running request 16.7 s with a fresh compile cache
             # (benchmarks/results/lent-kernels/lend_stall.txt).
-            captured = getattr(self.runner, "captured", None)
             with self._placement.borrowing():
                 if config.linear_kernels == "auto":
                     add_thread_verdicts(self.target)
-                if captured is not None and config.mode is Mode.AUTO and config.lend_drafter_cores is not False:
-                    captured.warm_up(self.kv)
+                if config.mode is Mode.AUTO and config.lend_drafter_cores is not False:
+                    self.runner.warm_up_captured("on the drafter's lent cores")
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,
