@@ -92,9 +92,10 @@ def run_levels_cli(args) -> int:
         raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS} or auto@KEY=VALUE[+KEY=VALUE]")
     from planner import PlannerConfig
     for n in names:                 # a variant's settings, checked before any engine loads
-        if planner_variant(n) is not None:
+        settings = planner_variant(n)
+        if settings is not None:
             try:
-                PlannerConfig.from_dict(planner_variant(n))
+                PlannerConfig.from_dict(settings)
             except ValueError as e:
                 raise ValueError(f"config {n!r}: {e}") from None
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]

@@ -68,7 +68,6 @@ def test_each_thread_count_runs_the_kernels_measured_at_that_count(drafter, tmp_
             add_thread_verdicts(drafter, reps=1)               # measured at two threads, then set: packed
             (two,) = set(kernels.glob("*.json")) - {one}
             two.write_text(json.dumps([True] * len(ROW_LADDER)))
-            lin._by_threads = {}
             assert set(add_thread_verdicts(drafter).values()) == {"packed"} and lin.packed is not None
             plain = torch.nn.functional.linear(x, lin.weight, lin.bias)
             calls.clear()                                      # (the measurements called it too)

@@ -78,14 +78,13 @@ def pack_linears(model: nn.Module, reps: int = 7) -> dict[int, str]:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or not packing_supported(layers[0].weight):
         return {}
-    for lin in layers:
-        lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+    _pack(layers)
     choice = _verdicts(layers, reps)
     for lin in layers:
         lin._use_packed = tuple(choice)
         if not any(choice):
             lin.packed = None        # (its verdicts kept: another thread count may pack again)
-    return {rows: "packed" if c else "mkl" for rows, c in zip(ROW_LADDER, choice)}
+    return _kernels(choice)
 
 
 @torch.inference_mode()
@@ -97,11 +96,19 @@ def add_thread_verdicts(model: nn.Module, reps: int = 7) -> dict[int, str]:
     if not layers or not packing_supported(layers[0].weight) or not layers[0]._use_packed:
         return {}
     if layers[0].packed is None:         # dropped: no rung used it at the first thread count
-        for lin in layers:
-            lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+        _pack(layers)
     choice = _verdicts(layers, reps)
     for lin in layers:
         lin._by_threads = {**lin._by_threads, torch.get_num_threads(): tuple(choice)}
+    return _kernels(choice)
+
+
+def _pack(layers: list["Linear"]) -> None:
+    for lin in layers:
+        lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+
+
+def _kernels(choice: list[bool]) -> dict[int, str]:
     return {rows: "packed" if c else "mkl" for rows, c in zip(ROW_LADDER, choice)}
 
 
