@@ -34,3 +34,4 @@ for PSD in (False, True):
         dt = marks[b][0] - marks[a][0]; dk = marks[b][1] - marks[a][1]
         plain = marks[b][2] - marks[a][2]
         print(f"psd={PSD} steps {a}-{b}: {dk / dt:.0f} tok/s, plain decoding on {plain} of {b - a} steps")
+    print(f"psd={PSD} turn-off ratios learned by place: {p.stats()['switch_cost'].get('turn_off_tail_ratios', '(none)')}")
