@@ -9,12 +9,14 @@ adds fuse into a few C++ loops, the GEMMs stay library calls, and attention stay
 2x slower than the kernel at batch 32).
 
 The graph has dynamic token, sequence and logits-row counts, so one compilation covers every
-batch; sizes of 1 are special to the compiler (it specialises on them), so the step pads the
+batch. Sizes of 1 are special to the compiler (it specialises on them): the step pads the
 sequence count, the block-table width and the logits rows to at least 2 (an empty sequence, a
 zero column, a repeated row: the kernel skips the first, never reads the second, and the third is
-dropped), leaving two graphs: one token, and more. Compiled code is cached on disk by inductor
-(``$TORCHINDUCTOR_CACHE_DIR``, by default ``~/.cache/nightdraft/inductor``), so a restart traces
-again (seconds) but does not recompile.
+dropped), and marks the token count as one the compiler may not read, so a one-token step
+(batch-1 decode) runs the same graph. That leaves one graph per model and thread count (a second
+graph of the frozen target held a second packed copy of its weights). Compiled code is cached on
+disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default ``~/.cache/nightdraft/inductor``), so
+a restart traces again (seconds) but does not recompile.
 """
 from __future__ import annotations
 
@@ -58,8 +60,11 @@ def step_tensors(meta: AttentionMetadata) -> StepTensors:
 
 
 # Every model instance of the same shapes shares its compiled graphs (they guard on shapes, not
-# on the instance); each further shape (another checkpoint) adds two graphs to the same code.
+# on the instance); each further shape (another checkpoint) adds a graph to the same code.
 RECOMPILE_LIMIT = 64
+# The token count inductor plans its loops for (the token dimension has no size to read at
+# tracing, see CompiledStep.warm_up): a decode step of a few sequences.
+TOKENS_HINT = 4
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError)
 
 
@@ -126,17 +131,21 @@ class CompiledStep:
 
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
                  logits_indices: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids, step_tensors(meta), kv, logits_indices)
+
+    def _run(self, input_ids: torch.Tensor, tensors: StepTensors, kv: torch.Tensor,
+             logits_indices: torch.Tensor) -> torch.Tensor:
         n = logits_indices.shape[0]
         if n < 2:
             logits_indices = torch.cat((logits_indices, logits_indices[:1].expand(2 - n)))
         with self._config:
-            logits = self._fn(input_ids, step_tensors(meta), kv, logits_indices)
+            logits = self._fn(input_ids, tensors, kv, logits_indices)
         return logits[:n] if n < 2 else logits
 
     @torch.inference_mode()
     def warm_up(self, kv: PagedKVCache, batch: int = 3) -> float:
-        """Compile now, on throw-away sequences in `kv` (freed again): the one-token graph and the
-        general one. Returns the seconds it took."""
+        """Compile now, on throw-away sequences in `kv` (freed again): one graph, run at one token,
+        at one token a sequence and at the most. Returns the seconds it took."""
         t0 = time.perf_counter()
         ids = [f"__warm_up_{i}" for i in range(batch)]
         try:
@@ -146,7 +155,15 @@ class CompiledStep:
             for b, q in ((1, 1), (batch, 1), (batch, self.max_query_len)):
                 meta = self.model.prepare(kv, ids[:b], [kv.block_size + 1] * b, [q] * b)
                 tokens = torch.zeros(b * q, dtype=torch.long, device=kv.device)
-                self(tokens, meta, kv.kv, torch.arange(b * q, device=kv.device))
+                tensors = step_tensors(meta)
+                for per_token in (tokens, tensors.positions, tensors.slot_mapping):
+                    # A token count the compiler may not specialise on: one token (batch-1
+                    # decode) then runs the graph of every other count (see the module). Read
+                    # when it traces, so marked where it traces: here, at build and on the lent
+                    # cores (about 40 us a step if marked on every call).
+                    torch._dynamo.decorators.mark_unbacked(per_token, 0, shape_id="tokens",
+                                                           hint_override=TOKENS_HINT)
+                self._run(tokens, tensors, kv.kv, torch.arange(b * q, device=kv.device))
         finally:
             for sid in ids:
                 kv.free(sid)
