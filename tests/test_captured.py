@@ -279,8 +279,10 @@ def test_a_pool_resized_inside_a_step_is_served_without_compiling_again(request,
     kv = PagedKVCache.for_model(model.config, 4 << 20, block_size=16)
     runner = ModelRunner(model, kv, step)
     assert kv.ensure_capacity("r", 21)
-    with torch.inference_mode():       # every forward, as the engine's step (its thread count
-        runner.forward(["r"], [20], [1], [5], [0])      # may differ from the fixture's: a graph)
+    # Every forward in inference mode, as the engine's step. The first may compile (the engine
+    # tests before this one leave another thread count than the fixture's); it is not counted.
+    with torch.inference_mode():
+        runner.forward(["r"], [20], [1], [5], [0])
     compiled = _graphs_compiled()
     for blocks in (2 * kv.num_blocks, kv.num_blocks // 2):      # an offload's growth, a reload's shrink
         with torch.inference_mode():
