@@ -6,18 +6,12 @@ memory gained. Run from the checkout to measure, in a fresh process:
 
     cd CHECKOUT && TORCHINDUCTOR_CACHE_DIR=DIR PYTHONPATH=$PWD python $REPO/benchmarks/results/one-token-graph/engine_build.py
 """
-import gc
 import time
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.model.captured import compiled_graphs
-
-
-def anonymous_mib() -> float:
-    gc.collect()
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+from memory import anonymous_mib        # this folder's memory.py (the script's folder is on the path)
 
 
 if __name__ == "__main__":
