@@ -92,7 +92,7 @@ def test_compiled_logits_equal_eager_within_tolerance(request, role, cached, new
 def test_one_graph_serves_a_step_of_one_token_and_of_many(tmp_path):
     """A one-token step (batch-1 decode) runs the graph every other token count runs. A graph of
     its own, frozen, held another packed copy of the target's weights: the bundled target's
-    compiled step grew the process by 171-176 MiB that way against 126-130 with one graph
+    compiled step grew the process by 173-174 MiB that way against 126-130 with one graph
     (benchmarks/results/one-token-graph/). The model is one no other test compiles, so every
     graph counted is its own."""
     model = load_model(save_random_llama(tmp_path / "one_layer", layers=1, seed=7), attention="paged")

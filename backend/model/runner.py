@@ -22,6 +22,11 @@ from backend.model.llama import CausalLM
 log = logging.getLogger("nightdraft.runner")
 
 
+def _reason(e: BaseException) -> str:
+    """A compiler error's first line for the log (its messages run to pages)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: PagedKVCache, captured: CompiledStep | None = None):
         self.model = model
@@ -77,8 +82,7 @@ class ModelRunner:
             except COMPILE_ERRORS as e:
                 # The compiler gave up on a new shape (it traces before it runs anything): serve
                 # on, op by op, rather than fail requests for a speed-up.
-                log.error("the captured step failed to compile (%s); running op by op from now on",
-                          str(e).splitlines()[0] if str(e) else type(e).__name__)
+                log.error("the captured step failed to compile (%s); running op by op from now on", _reason(e))
                 self.captured = None
         self.eager_forwards += 1
         return self.model(input_ids, meta, self.kv.kv, idx)
@@ -94,7 +98,7 @@ class ModelRunner:
             seconds = self.captured.warm_up(self.kv)
         except COMPILE_ERRORS as e:
             log.error("the captured step failed to compile %s (%s); running op by op from now on",
-                      where, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                      where, _reason(e))
             self.captured = None
             return
         log.info("compiled the captured step %s in %.1f s", where, seconds)
@@ -122,7 +126,7 @@ def capture_for(model: CausalLM, kv: PagedKVCache, setting: str, role: str,
         # A compiler that cannot run here (no C++ toolchain, an environment it cannot read its own
         # files in) costs speed, never the model's load.
         log.error("could not compile the %s's decode step (%s); it runs op by op",
-                  role, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                  role, _reason(e))
         return None
     log.info("compiled the %s's decode and verification step (up to %d tokens a sequence) in %.1f s",
              role, max_query_len, seconds)
