@@ -75,19 +75,15 @@ class Engine:
         # One device, or a tensor-parallel group whose driver this process is (backend.model.parallel).
         self.runner = build_target_runner(config, self.dtype)
         self.target, self.kv = self.runner.model, self.runner.kv
-        if self._placement is not None and config.tensor_parallel_size == 1:
+        if (self._placement is not None and config.tensor_parallel_size == 1
+                and config.linear_kernels == "auto"):
             # Forwards on the drafter's lent or borrowed cores run on more threads than the target
             # was built at: its kernels' verdicts for that count (prompts, a big forward, any step
-            # run op by op) and, where mode auto lends them to plain decoding, its compiled step's
-            # graph for it (the compiler guards on the thread count), made now on those cores,
-            # before the worker starts there. Compiled at the first lent step instead, it stalled
-            # every running request 16.7 s with a fresh compile cache
-            # (benchmarks/results/lent-kernels/lend_stall.txt).
+            # run op by op), made now on those cores, before the worker starts there. (Its
+            # compiled step needs nothing more: one graph serves every thread count,
+            # backend/model/captured.py.)
             with self._placement.borrowing():
-                if config.linear_kernels == "auto":
-                    add_thread_verdicts(self.target)
-                if config.mode is Mode.AUTO and config.lend_drafter_cores is not False:
-                    self.runner.warm_up_captured("on the drafter's lent cores")
+                add_thread_verdicts(self.target)
         mc = self.target.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.target, eos_token_ids=mc.eos_token_ids)
         self.max_model_len = context_limit(config.max_model_len, mc.max_position_embeddings,

@@ -13,10 +13,13 @@ batch. Sizes of 1 are special to the compiler (it specialises on them): the step
 sequence count, the block-table width and the logits rows to at least 2 (an empty sequence, a
 zero column, a repeated row: the kernel skips the first, never reads the second, and the third is
 dropped), and marks the token count as one the compiler may not read, so a one-token step
-(batch-1 decode) runs the same graph. That leaves one graph per model and thread count (a second
-graph of the frozen target held a second packed copy of its weights). Compiled code is cached on
-disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default ``~/.cache/nightdraft/inductor``), so
-a restart traces again (seconds) but does not recompile.
+(batch-1 decode) runs the same graph. The graph also serves every thread count: its loops take
+the thread count at run time (inductor's ``cpp.dynamic_threads``) and the compiler's guard on it
+is dropped (:func:`_any_thread_count`), so the step that runs on the drafter's lent cores (more
+threads than the target was built at) runs the graph made at build. That leaves one graph per
+model: a second graph of the frozen target holds a second packed copy of its weights. Compiled
+code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default
+``~/.cache/nightdraft/inductor``), so a restart traces again (seconds) but does not recompile.
 """
 from __future__ import annotations
 
@@ -93,9 +96,23 @@ def _configure_compiler() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nightdraft" / "inductor")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # Loops that ask OpenMP for the thread count when they run, not a count fixed when they were
+    # generated: one graph then runs at one thread and on the lent cores (see _any_thread_count).
+    # Process-wide, as the compiler reads it when it generates code; it changes no result.
+    torch._inductor.config.cpp.dynamic_threads = True
     # Equal sizes (a block table two wide, a model two layers deep) must not become a guard that
     # two unrelated dimensions stay equal.
     torch.fx.experimental._config.use_duck_shape = False
+
+
+def _any_thread_count(guards) -> list[bool]:
+    """The guards a compiled step keeps: all but dynamo's GLOBAL_STATE guard, whose one part
+    that changes around a step is torch's thread count (the lent cores run the step on more
+    threads than it was built at; the loops read the count at run time). What else that guard
+    covers cannot change a step's graph here: grad mode (the weights never require grad, and
+    the step runs in inference mode, which the tensors' own guards check), and autocast, the
+    deterministic algorithms and the torch-function mode keep guards of their own."""
+    return [g.guard_type != "GLOBAL_STATE" for g in guards]
 
 
 def compiled_graphs() -> int:
@@ -122,8 +139,10 @@ class CompiledStep:
         # The graph then holds its own copy of the weights: only for a model whose weights never
         # move (the drafter's are offloaded and reloaded).
         # (As a config patch around every call: the compiler reads the flag when it traces, which
-        # is at the first call of each new shape; torch.compile's `options` did not reach it.)
-        self._fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        # is at the first call of each new shape; torch.compile's `options` did not reach it,
+        # where the tracer's own hook, the guard filter, is read.)
+        self._fn = torch.compile(model.forward, fullgraph=True, dynamic=True,
+                                 options={"guard_filter_fn": _any_thread_count})
         self._config = torch._inductor.config.patch(freezing=True) if freeze else contextlib.nullcontext()
 
     def covers(self, meta: AttentionMetadata) -> bool:
@@ -159,8 +178,8 @@ class CompiledStep:
                 for per_token in (tokens, tensors.positions, tensors.slot_mapping):
                     # A token count the compiler may not specialise on: one token (batch-1
                     # decode) then runs the graph of every other count (see the module). Read
-                    # when it traces, so marked where it traces: here, at build and on the lent
-                    # cores (about 40 us a step if marked on every call).
+                    # when it traces, so marked where it traces: here (about 40 us a step if
+                    # marked on every call).
                     torch._dynamo.decorators.mark_unbacked(per_token, 0, shape_id="tokens",
                                                            hint_override=TOKENS_HINT)
                 self._run(tokens, tensors, kv.kv, torch.arange(b * q, device=kv.device))

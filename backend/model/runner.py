@@ -87,22 +87,6 @@ class ModelRunner:
         self.eager_forwards += 1
         return self.model(input_ids, meta, self.kv.kv, idx)
 
-    def warm_up_captured(self, where: str) -> None:
-        """Compile the captured step for the cores and thread count in force now (`where` names
-        them in the log): the compiler guards on the thread count, so a step that will also run
-        on more threads needs a graph for those too. A compiler that gives up costs speed, never
-        the load: op by op from then on, as in :meth:`forward`."""
-        if self.captured is None:
-            return
-        try:
-            seconds = self.captured.warm_up(self.kv)
-        except COMPILE_ERRORS as e:
-            log.error("the captured step failed to compile %s (%s); running op by op from now on",
-                      where, _reason(e))
-            self.captured = None
-            return
-        log.info("compiled the captured step %s in %.1f s", where, seconds)
-
 
 def capture_for(model: CausalLM, kv: PagedKVCache, setting: str, role: str,
                 max_query_len: int) -> CompiledStep | None:
