@@ -103,6 +103,11 @@ def _configure_compiler() -> None:
     # Equal sizes (a block table two wide, a model two layers deep) must not become a guard that
     # two unrelated dimensions stay equal.
     torch.fx.experimental._config.use_duck_shape = False
+    # A model's floats (its norms' epsilon, the embedding's norm type) are constants of the
+    # model. Traced as inputs (a dynamic compile's default), they could not be turned into
+    # tensors, so the tracer specialised them and started over: every start traced the step
+    # twice (about 3 s of the bundled target's, benchmarks/results/trace-once/).
+    torch._dynamo.config.specialize_float = True
 
 
 def _any_thread_count(guards) -> list[bool]:
