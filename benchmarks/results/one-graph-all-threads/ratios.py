@@ -1,16 +1,18 @@
-"""New over base from threads.txt (this folder): per round, each (thread count, shape)'s median
+"""New over base from a `threads.py` log (default: threads.txt in this folder): per round, each (thread count, shape)'s median
 step on new over base's, then the median and spread of those ratios over the rounds; and each
 side's compile seconds and memory at two threads.
 
-    python benchmarks/results/one-graph-all-threads/ratios.py
+    python benchmarks/results/one-graph-all-threads/ratios.py [LOG]
 """
 import re
 import statistics
+import sys
 from pathlib import Path
 
 rounds: dict[str, dict[str, dict]] = {}
 side = None
-for line in (Path(__file__).parent / "threads.txt").read_text().splitlines():
+log = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "threads.txt"
+for line in log.read_text().splitlines():
     if m := re.match(r"== (\d+) (\w+)", line):
         side = rounds.setdefault(m[1], {}).setdefault(m[2], {})
     elif m := re.match(r"one thread: .* in ([\d.]+) s, \+(\d+) MiB; two threads: (\d+) more in ([\d.]+) s, \+(\d+) MiB", line):
