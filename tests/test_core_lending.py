@@ -196,10 +196,41 @@ def test_a_big_forward_borrows_the_waiting_drafter_cores_and_only_for_its_own_ti
     assert os.sched_getaffinity(0) == all_cores
 
 
+@pytest.mark.slow
 @needs_worker
-def test_only_a_big_forward_that_runs_op_by_op_borrows_the_drafter_cores():
-    """Small forwards would wait for the drafter's core; a captured step (every sequence feeds
-    at most its query length) would compile again for the extra threads."""
+def test_fixed_sd_feeds_a_step_of_prompts_on_the_drafter_cores_too():
+    """Fixed sequential SD with the drafter on a core of its own: a step that feeds only prompts
+    (nothing to draft) runs its forward on both cores, the steps that draft keep to the
+    target's, and the tokens are plain decoding's."""
+    all_cores = os.sched_getaffinity(0)
+    e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="sd", gamma=2,
+                            drafter_device="cpu", num_threads=1, kv_cache_bytes=16 << 20))
+    steps = []
+    try:
+        target_cores = frozenset(e._placement.target_cores)
+        got = [c.output_ids for c in e.generate(PROMPTS[:2], GREEDY, max_concurrency=2,
+                                                on_step=lambda _: steps.append(e.stats().last_step))]
+        assert os.sched_getaffinity(0) == target_cores and torch.get_num_threads() == 1
+    finally:
+        e.close()
+    first = steps[0]
+    assert not first.decoded and first.num_prefill_tokens > 0
+    assert first.num_prefill_tokens < PlainDecoding.BORROW_FROM_TOKENS       # not for its size
+    assert first.forward_cores == len(all_cores)
+    drafting = [s for s in steps if s.drafted]
+    assert drafting and all(s.forward_cores == 0 for s in drafting)
+    ar = Engine(EngineConfig(target=str(TINY_TARGET), kv_cache_bytes=16 << 20))
+    try:
+        assert got == [c.output_ids for c in ar.generate(PROMPTS[:2], GREEDY)]
+    finally:
+        ar.close()
+
+
+@needs_worker
+def test_only_a_forward_of_prompts_or_a_big_one_op_by_op_borrows_the_drafter_cores():
+    """A small forward beside decoding sequences would wait for the drafter's core, and a
+    captured step (every sequence feeds at most its query length) keeps the target's; a
+    forward of prompts alone borrows at any size, as nothing decodes."""
     all_cores = os.sched_getaffinity(0)
     place = CpuPlacement("cpu", 1)
     try:
@@ -211,10 +242,14 @@ def test_only_a_big_forward_that_runs_op_by_op_borrows_the_drafter_cores():
         def body():
             ran_on.append((frozenset(os.sched_getaffinity(0)), torch.get_num_threads()))
             return "outputs"
-        for fed, borrows in [([600, 1, 1], True),       # a long prompt beside two decoding
-                             ([300, 1], False),          # a prompt, under the size
-                             ([5] * 120, False)]:        # 600 tokens a captured step takes
-            plain.propose([ScheduledSeq(None, n) for n in fed], PLAIN)
+        def verifying(drafts):     # a decoding sequence's token and its drafts
+            return ScheduledSeq(None, 1, gamma=drafts, drafts=[0] * drafts)
+        for batch, borrows in [([ScheduledSeq(None, 600), verifying(0), verifying(0)], True),  # a long prompt
+                               ([ScheduledSeq(None, 300), verifying(0)], False),   # under the size, beside decoding
+                               ([ScheduledSeq(None, 300), ScheduledSeq(None, 40)], True),   # prompts only
+                               ([ScheduledSeq(None, 40), ScheduledSeq(None, 1)], False),   # a one-token chunk
+                               ([verifying(4)] * 120, False)]:        # 600 tokens a captured step takes
+            plain.propose(batch, PLAIN)
             out, drafting = plain.alongside(PLAIN, body)
             assert out == "outputs"
             assert ran_on[-1] == ((frozenset(all_cores), 2) if borrows else target)

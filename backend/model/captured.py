@@ -17,9 +17,11 @@ dropped), and marks the token count as one the compiler may not read, so a one-t
 the thread count at run time (inductor's ``cpp.dynamic_threads``) and the compiler's guard on it
 is dropped (:func:`_any_thread_count`), so the step that runs on the drafter's lent cores (more
 threads than the target was built at) runs the graph made at build. That leaves one graph per
-model: a second graph of the frozen target holds a second packed copy of its weights. Compiled
-code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default
-``~/.cache/nightdraft/inductor``), so a restart traces again (seconds) but does not recompile.
+model (a second graph of the frozen target would hold a second packed copy of its weights).
+Compiled code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default
+``~/.cache/nightdraft/inductor``), so a restart traces again (seconds) but builds no C++ again;
+the frozen target's graph, whose pre-packed weights the cache cannot store, is lowered again too
+(docs/executor.md has what a start costs).
 """
 from __future__ import annotations
 

@@ -34,10 +34,12 @@ T = TypeVar("T")
 class PlainDecoding:
     # A forward of this many tokens that runs op by op (it feeds a prompt chunk longer than a
     # captured step takes; any forward where nothing is captured) runs on the drafter's CPU
-    # cores too while the drafter waits: its compute dwarfs the cost of sharing a core. Not a
-    # small forward: split over a core the drafter is about to use, it waits for it (sequential
+    # cores too while the drafter waits: its compute dwarfs the cost of sharing a core; so does
+    # a forward of any size that feeds only prompts. Not a small forward beside decoding
+    # sequences: split over a core the drafter is about to use, it waits for it (sequential
     # SD at concurrency 1 ran many times slower that way). Not a captured step (decode,
-    # verification): it would compile again for the extra threads, a stall of seconds.
+    # verification): a few tokens a sequence, and where borrowing would pay for one was never
+    # measured (its graph runs at any thread count, backend/model/captured.py).
     BORROW_FROM_TOKENS = 512
 
     def __init__(self, placement: CpuPlacement | None = None, captured_query_len: int = 0):
@@ -52,8 +54,12 @@ class PlainDecoding:
         if self.placement is None:        # nothing to borrow (a GPU, or no drafter worker)
             return
         fed = [s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch]
+        # A step that feeds only prompt chunks borrows at any size: nothing decodes, so nothing
+        # is drafted before it or beside it, and a prefill is compute the second core halves
+        # (mode auto lends for such a step whatever it plays, engine/adaptive.py).
+        prompts_only = all(s.num_new > 1 and not s.drafts for s in batch)
         self._borrow = (bool(fed) and max(fed) > self.captured_query_len
-                        and sum(fed) >= self.BORROW_FROM_TOKENS)
+                        and (prompts_only or sum(fed) >= self.BORROW_FROM_TOKENS))
 
     def schedule(self, scheduler: Scheduler, plan: StepPlan) -> list[ScheduledSeq]:
         return scheduler.schedule(lambda seq: 0)
