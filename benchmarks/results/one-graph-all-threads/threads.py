@@ -8,10 +8,11 @@ tokens. Run from the checkout to measure, in a fresh process:
 
     cd CHECKOUT && TORCHINDUCTOR_CACHE_DIR=DIR PYTHONPATH=$PWD python $REPO/benchmarks/results/one-graph-all-threads/threads.py
 """
-import gc
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,14 +21,11 @@ from backend.model.kv_cache import PagedKVCache
 from backend.model.loader import load_model
 from backend.model.runner import capture_for
 
-SHAPES = [(1, 1), (4, 1), (16, 1), (4, 5)]      # decode at 1, 4, 16; verification of 4 drafts at 4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "one-token-graph"))
+from memory import anonymous_mib  # noqa: E402
+from step_time import SHAPES, step_cases  # noqa: E402
+
 CORES = sorted(os.sched_getaffinity(0))
-
-
-def anonymous_mib() -> float:
-    gc.collect()
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
 
 
 def on(threads: int) -> None:
@@ -47,14 +45,8 @@ if __name__ == "__main__":
     step.warm_up(kv)
     two_s, m2, g2 = time.perf_counter() - t0, anonymous_mib(), compiled_graphs()
     times = {(n, shape): [] for n in (1, 2) for shape in SHAPES}
-    with torch.inference_mode():     # as the engine's step (tensors of another kind compile again)
-        cases = []
-        for b, q in SHAPES:
-            ids = [f"s{b}_{q}_{i}" for i in range(b)]
-            for sid in ids:
-                kv.ensure_capacity(sid, 200)
-            meta = model.prepare(kv, ids, [150] * b, [q] * b)
-            cases.append(((b, q), meta, torch.zeros(b * q, dtype=torch.long), meta.last_token_indices))
+    with torch.inference_mode():
+        cases = step_cases(model, kv)
         for _ in range(12):
             for n in (1, 2):
                 on(n)

@@ -18,6 +18,20 @@ from backend.model.runner import capture_for
 
 SHAPES = [(1, 1), (4, 1), (16, 1), (4, 5)]      # decode at 1, 4, 16; verification of 4 drafts at 4
 
+
+def step_cases(model, kv):
+    """For each of SHAPES, in `kv`: (shape, its metadata, tokens, logits rows), contexts of 150
+    tokens. Call in inference mode, as the engine's step runs (tensors of another kind compile
+    again)."""
+    cases = []
+    for b, q in SHAPES:
+        ids = [f"s{b}_{q}_{i}" for i in range(b)]
+        for sid in ids:
+            kv.ensure_capacity(sid, 200)
+        meta = model.prepare(kv, ids, [150] * b, [q] * b)
+        cases.append(((b, q), meta, torch.zeros(b * q, dtype=torch.long), meta.last_token_indices))
+    return cases
+
 if __name__ == "__main__":
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
     torch.set_num_threads(1)
@@ -28,13 +42,7 @@ if __name__ == "__main__":
     print(f"compiled {compiled_graphs()} graph(s) in {time.perf_counter() - t0:.1f} s")
     times = {shape: [] for shape in SHAPES}
     with torch.inference_mode():     # as the engine's step (tensors of another kind compile again)
-        cases = []
-        for b, q in SHAPES:
-            ids = [f"s{b}_{q}_{i}" for i in range(b)]
-            for sid in ids:
-                kv.ensure_capacity(sid, 200)
-            meta = model.prepare(kv, ids, [150] * b, [q] * b)
-            cases.append(((b, q), meta, torch.zeros(b * q, dtype=torch.long), meta.last_token_indices))
+        cases = step_cases(model, kv)
         for i in range(330):
             for shape, meta, tokens, rows in cases:
                 t0 = time.perf_counter()
