@@ -56,10 +56,11 @@ class PlainDecoding:
         fed = [s.num_new + (len(s.drafts) if s.drafts else 0) for s in batch]
         # A step that feeds only prompt chunks borrows at any size: nothing decodes, so nothing
         # is drafted before it or beside it, and a prefill is compute the second core halves
-        # (mode auto lends for such a step whatever it plays, engine/adaptive.py).
-        prompts_only = all(s.num_new > 1 and not s.drafts for s in batch)
+        # (mode auto lends for such a step whatever it plays, engine/adaptive.py). Checked last:
+        # a decode or verification step stops at the first test.
         self._borrow = (bool(fed) and max(fed) > self.captured_query_len
-                        and (prompts_only or sum(fed) >= self.BORROW_FROM_TOKENS))
+                        and (sum(fed) >= self.BORROW_FROM_TOKENS
+                             or all(s.num_new > 1 and not s.drafts for s in batch)))
 
     def schedule(self, scheduler: Scheduler, plan: StepPlan) -> list[ScheduledSeq]:
         return scheduler.schedule(lambda seq: 0)
