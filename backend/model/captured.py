@@ -13,11 +13,12 @@ batch. Sizes of 1 are special to the compiler (it specialises on them): the step
 sequence count, the block-table width and the logits rows to at least 2 (an empty sequence, a
 zero column, a repeated row: the kernel skips the first, never reads the second, and the third is
 dropped), and marks the token count as one the compiler may not read, so a one-token step
-(batch-1 decode) runs the same graph. The graph also serves every thread count: its loops take
-the thread count at run time (inductor's ``cpp.dynamic_threads``) and the compiler's guard on it
-is dropped (:func:`_any_thread_count`), so the step that runs on the drafter's lent cores (more
-threads than the target was built at) runs the graph made at build. That leaves one graph per
-model (a second graph of the frozen target would hold a second packed copy of its weights).
+(batch-1 decode) runs the same graph. The frozen target's graph also serves every thread count:
+its loops take the thread count at run time (inductor's ``cpp.dynamic_threads``) and the
+compiler's guard on it is dropped (:func:`_any_thread_count`), so the step that runs on the
+drafter's lent cores (more threads than the target was built at) runs the graph made at build.
+That leaves one graph per model (a second graph of the frozen target would hold a second packed
+copy of its weights). The drafter's step runs at one thread count and keeps loops planned for it.
 Compiled code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default
 ``~/.cache/nightdraft/inductor``), so a restart traces again (seconds) but builds no C++ again;
 the frozen target's graph, whose pre-packed weights the cache cannot store, is lowered again too
@@ -98,10 +99,6 @@ def _configure_compiler() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nightdraft" / "inductor")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    # Loops that ask OpenMP for the thread count when they run, not a count fixed when they were
-    # generated: one graph then runs at one thread and on the lent cores (see _any_thread_count).
-    # Process-wide, as the compiler reads it when it generates code; it changes no result.
-    torch._inductor.config.cpp.dynamic_threads = True
     # Equal sizes (a block table two wide, a model two layers deep) must not become a guard that
     # two unrelated dimensions stay equal.
     torch.fx.experimental._config.use_duck_shape = False
@@ -145,12 +142,18 @@ class CompiledStep:
         # oneDNN's GEMMs (about 1.2-1.4x a decode step of the bundled target, docs/executor.md).
         # The graph then holds its own copy of the weights: only for a model whose weights never
         # move (the drafter's are offloaded and reloaded).
-        # (As a config patch around every call: the compiler reads the flag when it traces, which
-        # is at the first call of each new shape; torch.compile's `options` did not reach it,
+        # Its loops then ask OpenMP for the thread count when they run, not a count fixed when
+        # they were generated, and the guard on the count goes: one graph runs at one thread and
+        # on the lent cores (see _any_thread_count). Not the drafter's: it runs at one count, and
+        # loops planned for that count kept its step 0.5 ms shorter at batch 16
+        # (benchmarks/results/one-graph-all-threads/).
+        # (As a config patch around every call: the compiler reads the flags when it traces, which
+        # is at the first call of each new shape; torch.compile's `options` did not reach them,
         # where the tracer's own hook, the guard filter, is read.)
         self._fn = torch.compile(model.forward, fullgraph=True, dynamic=True,
-                                 options={"guard_filter_fn": _any_thread_count})
-        self._config = torch._inductor.config.patch(freezing=True) if freeze else contextlib.nullcontext()
+                                 options={"guard_filter_fn": _any_thread_count} if freeze else {})
+        self._config = (torch._inductor.config.patch({"freezing": True, "cpp.dynamic_threads": True})
+                        if freeze else contextlib.nullcontext())
 
     def covers(self, meta: AttentionMetadata) -> bool:
         return meta.max_query_len <= self.max_query_len and meta.block_tables.device.type == "cpu"
