@@ -145,7 +145,8 @@ class CompiledStep:
         # Its loops then ask OpenMP for the thread count when they run, not a count fixed when
         # they were generated, and the guard on the count goes: one graph runs at one thread and
         # on the lent cores (see _any_thread_count). Not the drafter's: it runs at one count, and
-        # loops planned for that count kept its step 0.5 ms shorter at batch 16
+        # with run-time thread counts its step came to 5.0x its floor at batch 16 in `bench
+        # profile`, against 3.4-4.1x with loops planned for the count
         # (benchmarks/results/one-graph-all-threads/).
         # (As a config patch around every call: the compiler reads the flags when it traces, which
         # is at the first call of each new shape; torch.compile's `options` did not reach them,

@@ -1,14 +1,16 @@
-"""Prints, from profile/{before,after}{1,2,3}.json (`nightdraft bench profile --configs ar,sd
---concurrency 1,4,16`, run from worktrees of dcd987c and 329a3da in turns), each configuration's
-median tok/s and step / floor before and after, with after / before and its spread by round:
+"""Prints, from a folder's {before,after}{1,2,3}.json (`nightdraft bench profile --configs ar,sd
+--concurrency 1,4,16`, run from worktrees of two commits in turns; by default this folder's
+profile/, dcd987c and 329a3da), each configuration's median tok/s and step / floor before and
+after, with after / before and its spread by round:
 
-    python benchmarks/results/one-token-graph/profile_ratios.py
+    python benchmarks/results/one-token-graph/profile_ratios.py [FOLDER]
 """
 import json
 import statistics
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent / "profile"
+HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "profile"
 
 
 def rows(side: str) -> list[dict]:
