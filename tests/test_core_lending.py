@@ -198,12 +198,13 @@ def test_a_big_forward_borrows_the_waiting_drafter_cores_and_only_for_its_own_ti
 
 @pytest.mark.slow
 @needs_worker
-def test_fixed_sd_feeds_a_step_of_prompts_on_the_drafter_cores_too():
-    """Fixed sequential SD with the drafter on a core of its own: a step that feeds only prompts
-    (nothing to draft) runs its forward on both cores, the steps that draft keep to the
-    target's, and the tokens are plain decoding's."""
+@pytest.mark.parametrize("mode", ["sd", "psd"])
+def test_fixed_speculation_feeds_a_step_of_prompts_on_the_drafter_cores_too(mode):
+    """Fixed sequential or batch-parallel SD with the drafter on a core of its own: a step that
+    feeds only prompts (nothing to draft, before it or beside it) runs its forward on both
+    cores, the steps that draft keep to the target's, and the tokens are plain decoding's."""
     all_cores = os.sched_getaffinity(0)
-    e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode="sd", gamma=2,
+    e = Engine(EngineConfig(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), mode=mode, gamma=2,
                             drafter_device="cpu", num_threads=1, kv_cache_bytes=16 << 20))
     steps = []
     try:
@@ -211,6 +212,8 @@ def test_fixed_sd_feeds_a_step_of_prompts_on_the_drafter_cores_too():
         got = [c.output_ids for c in e.generate(PROMPTS[:2], GREEDY, max_concurrency=2,
                                                 on_step=lambda _: steps.append(e.stats().last_step))]
         assert os.sched_getaffinity(0) == target_cores and torch.get_num_threads() == 1
+        if mode == "psd":     # one sub-batch drafted while the other verified
+            assert e.stats().psd_overlapped_steps > 0
     finally:
         e.close()
     first = steps[0]

@@ -122,8 +122,9 @@ class SequentialSD(PlainDecoding):
 class BatchParallelSD(SequentialSD):
 
     def __init__(self, drafter: DrafterManager, max_model_len: int, sub_batches: SubBatches,
-                 draft_ahead: bool = False):
-        super().__init__(drafter, max_model_len, draft_ahead)
+                 draft_ahead: bool = False, placement: CpuPlacement | None = None,
+                 captured_query_len: int = 0):
+        super().__init__(drafter, max_model_len, draft_ahead, placement, captured_query_len)
         self.sub_batches = sub_batches
         self._to_draft: set[str] = set()
         self._running: list[Sequence] = []
@@ -161,15 +162,18 @@ class BatchParallelSD(SequentialSD):
 
     def alongside(self, plan: StepPlan, body: Callable[[], T]) -> tuple[T, Drafting]:
         """The other sub-batch is drafted while `body` (the target's forward) runs. Its proposal
-        is collected whatever the body does, so the drafter's protocol stays in step."""
+        is collected whatever the body does, so the drafter's protocol stays in step. With
+        nothing to draft beside it (a step of prompts after an idle engine, a sub-batch with
+        nothing decoding) the drafter's cores wait, and the forward may borrow them."""
         t0 = time.perf_counter()
         in_flight = self._start_drafting(plan)
         transport_s = time.perf_counter() - t0
-        side = Drafting()
-        try:
-            out = body()
-        finally:
-            if in_flight is not None:
+        if in_flight is None:
+            out, side = super().alongside(plan, body)
+        else:
+            try:
+                out = body()
+            finally:
                 t0 = time.perf_counter()
                 side = self._finish_drafting(*in_flight)
                 transport_s += time.perf_counter() - t0
@@ -214,12 +218,14 @@ def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | Non
     the drafter (the n-gram proposer, when it is the only one, drafts for SD); NGRAM, sequential
     SD over an n-gram proposer held beside a drafter model (mode auto chooses per step).
     `placement`: the drafter worker's CPU cores, which a big forward borrows where nothing
-    drafts meanwhile (plain decoding, sequential SD; batch-parallel SD drafts alongside), if it
-    feeds a sequence more than `captured_query_len` tokens (it runs op by op)."""
+    drafts meanwhile (plain decoding, sequential SD, batch-parallel SD when the other sub-batch
+    has nothing to draft), if it feeds a sequence more than `captured_query_len` tokens (it runs
+    op by op)."""
     out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding(placement, captured_query_len)}
     if drafter is not None:
         out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead, placement, captured_query_len)
-        out[Mode.PSD] = BatchParallelSD(drafter, max_model_len, sub_batches, draft_ahead)
+        out[Mode.PSD] = BatchParallelSD(drafter, max_model_len, sub_batches, draft_ahead,
+                                        placement, captured_query_len)
     if ngram is not None:
         out[Mode.NGRAM] = SequentialSD(ngram, max_model_len, placement=placement,
                                        captured_query_len=captured_query_len)
