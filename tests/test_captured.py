@@ -138,7 +138,33 @@ def test_one_graph_serves_every_thread_count(tmp_path):
     torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
 
 
-def test_a_prefill_chunk_runs_eagerly(drafter_model, compiled_drafter):
+@pytest.mark.parametrize("cached,new", [([0], [40]), ([0], [300]), ([16, 0], [1, 23]), ([0, 30, 9], [70, 5, 1])])
+def test_the_target_graph_runs_prompt_chunks_as_the_eager_forward_does(target_model, compiled_target, cached, new):
+    """Prompt chunks, alone and beside decoding and verifying sequences, run the frozen target's
+    graph (compiled at build for a few tokens a sequence) without compiling again, with the eager
+    forward's logits and cache writes."""
+    step, kv = compiled_target
+    ids = [f"p{i}" for i in range(len(cached))]
+    with torch.inference_mode():        # as the engine's step
+        # a first forward in this test may compile for the thread count the tests before left
+        runner = ModelRunner(target_model, kv, step)
+        assert kv.ensure_capacity("warm", 21)
+        runner.forward(["warm"], [20], [1], [5])
+        kv.free("warm")
+        graphs = compiled_graphs()
+        try:
+            eager, compiled = _forward_both(target_model, step, kv, ids, cached, new)
+        finally:
+            for sid in ids:
+                kv.free(sid)
+    assert compiled_graphs() == graphs, "a prompt chunk compiled the step again"
+    torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).all()
+
+
+def test_the_drafter_runs_a_prefill_chunk_eagerly(drafter_model, compiled_drafter):
+    """The drafter's graph (weights not pre-packed) tied its model op by op on prompts: it keeps
+    to decode and verification."""
     step, kv = compiled_drafter
     runner = ModelRunner(drafter_model, kv, step)
     assert kv.ensure_capacity("p", 40)
@@ -197,7 +223,9 @@ def test_compiled_engines_decode_what_plain_eager_decoding_does(prompts, plain_e
     engine = _engine(mode=mode, compile="on", **extra)
     try:
         got = [c.output_ids for c in engine.generate(prompts, GREEDY, max_concurrency=3)]
+        # every target forward, the prompts' (up to 200 tokens) too, ran the compiled step
         assert engine.runner.captured is not None and engine.runner.captured_forwards > 0
+        assert engine.runner.eager_forwards == 0
         if mode in ("sd", "auto"):       # (psd's drafter compiles in its worker process)
             drafter_runner = engine.drafter.drafter.runner
             assert drafter_runner.captured is not None and drafter_runner.captured_forwards > 0

@@ -32,20 +32,20 @@ T = TypeVar("T")
 
 
 class PlainDecoding:
-    # A forward of this many tokens that runs op by op (it feeds a prompt chunk longer than a
-    # captured step takes; any forward where nothing is captured) runs on the drafter's CPU
-    # cores too while the drafter waits: its compute dwarfs the cost of sharing a core; so does
-    # a forward of any size that feeds only prompts. Not a small forward beside decoding
-    # sequences: split over a core the drafter is about to use, it waits for it (sequential
-    # SD at concurrency 1 ran many times slower that way). Not a captured step (decode,
-    # verification): a few tokens a sequence, and where borrowing would pay for one was never
-    # measured (its graph runs at any thread count, backend/model/captured.py).
+    # A forward of this many tokens that feeds a prompt chunk (a sequence feeds more than a
+    # decode or verification takes; any forward, where nothing is captured) runs on the
+    # drafter's CPU cores too while the drafter waits: its compute dwarfs the cost of sharing a
+    # core; so does a forward of any size that feeds only prompts. Not a small forward beside
+    # decoding sequences: split over a core the drafter is about to use, it waits for it
+    # (sequential SD at concurrency 1 ran many times slower that way). Not a decode or
+    # verification step, however big: a few tokens a sequence, and where borrowing would pay
+    # for one was never measured (its graph runs at any thread count, backend/model/captured.py).
     BORROW_FROM_TOKENS = 512
 
     def __init__(self, placement: CpuPlacement | None = None, captured_query_len: int = 0):
         """`placement`: the CPU placement whose drafter cores a big forward may borrow (None:
-        never); `captured_query_len`: the most tokens a sequence feeds in a captured step (0:
-        nothing is captured)."""
+        never); `captured_query_len`: the most tokens a sequence feeds in a captured decode or
+        verification step (0: nothing is captured)."""
         self.placement = placement
         self.captured_query_len = captured_query_len
         self._borrow = False          # this step's forward borrows the drafter's cores
@@ -219,8 +219,8 @@ def build_strategies(drafter: DrafterManager | None, ngram: DrafterManager | Non
     SD over an n-gram proposer held beside a drafter model (mode auto chooses per step).
     `placement`: the drafter worker's CPU cores, which a big forward borrows where nothing
     drafts meanwhile (plain decoding, sequential SD, batch-parallel SD when the other sub-batch
-    has nothing to draft), if it feeds a sequence more than `captured_query_len` tokens (it runs
-    op by op)."""
+    has nothing to draft), if it feeds a sequence more than `captured_query_len` tokens (a
+    prompt chunk)."""
     out: dict[Mode, PlainDecoding] = {Mode.AR: PlainDecoding(placement, captured_query_len)}
     if drafter is not None:
         out[Mode.SD] = SequentialSD(drafter, max_model_len, draft_ahead, placement, captured_query_len)
