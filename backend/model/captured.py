@@ -15,12 +15,14 @@ zero column, a repeated row: the kernel skips the first, never reads the second,
 dropped), and marks the token count as one the compiler may not read, so a one-token step
 (batch-1 decode) runs the same graph. The frozen target's graph serves prompt chunks as well (the
 attention kernel takes any query length): on the bundled target a prompt's forward took
-0.62-0.90x its time op by op, from 10 to 1,000 tokens, the fixed cost of dispatch gone and the
+0.58-0.90x its time op by op, from 10 to 1,000 tokens, the fixed cost of dispatch gone and the
 pre-packed GEMMs kept (benchmarks/results/captured-prompts/). The drafter's graph, whose GEMMs
-are not pre-packed, tied its model op by op there, and keeps to decode and verification. The frozen target's graph also serves every thread count:
-its loops take the thread count at run time (inductor's ``cpp.dynamic_threads``) and the
-compiler's guard on it is dropped (:func:`_any_thread_count`), so the step that runs on the
-drafter's lent cores (more threads than the target was built at) runs the graph made at build.
+are not pre-packed, tied its model op by op there, and keeps to decode and verification.
+
+The frozen target's graph also serves every thread count: its loops take the thread count at
+run time (inductor's ``cpp.dynamic_threads``) and the compiler's guard on it is dropped
+(:func:`_any_thread_count`), so the step that runs on the drafter's lent cores (more threads
+than the target was built at) runs the graph made at build.
 That leaves one graph per model (a second graph of the frozen target would hold a second packed
 copy of its weights). The drafter's step runs at one thread count and keeps loops planned for it.
 Compiled code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default

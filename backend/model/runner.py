@@ -4,8 +4,8 @@ It owns the KV cache the model writes, builds each forward's inputs (where the f
 positions, cache slots, block tables, lengths) once per forward, or advances them to the next
 draft position without reading the block tables again, and runs the forward: the captured step
 where it covers the batch (decode and verification; the target's prompt chunks too), the eager
-model otherwise (the drafter's prompts, or everything when nothing is captured). The engine and the proposers say which sequences feed
-which tokens; nothing else builds tensors for a forward.
+model otherwise (the drafter's prompts, or everything when nothing is captured). The engine and
+the proposers say which sequences feed which tokens; nothing else builds tensors for a forward.
 """
 from __future__ import annotations
 
