@@ -2,6 +2,7 @@ import time, statistics, torch, sys
 from backend.model.kv_cache import PagedKVCache
 from backend.model.loader import load_model
 from backend.model.captured import CompiledStep
+from decode_batch import decode_batch
 torch.set_num_threads(1)
 path, freeze = sys.argv[1], sys.argv[2] == "1"
 m = load_model(path, attention="paged")
@@ -10,10 +11,7 @@ with torch.inference_mode():
     step = CompiledStep(m, 9, freeze=freeze)
     step.warm_up(kv)
     for B in (1, 4, 16):
-        ids = [f"s{i}" for i in range(B)]
-        for s in ids: assert kv.ensure_capacity(s, 100)
-        meta = m.prepare(kv, ids, [90] * B, [1] * B, 0)
-        it = torch.full((B,), 5); idx = meta.last_token_indices
+        ids, meta, it, idx = decode_batch(m, kv, B)
         ref = step(it, meta, kv.kv, idx)
         res = {}
         for rnd in range(6):

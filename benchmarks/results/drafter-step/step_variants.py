@@ -3,6 +3,7 @@ import torch._inductor.config as ic
 from backend.model.kv_cache import PagedKVCache
 from backend.model.loader import load_model
 from backend.model.captured import CompiledStep
+from decode_batch import decode_batch
 torch.set_num_threads(1)
 path, freeze, wrap = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 ic.cpp_wrapper = wrap
@@ -13,10 +14,7 @@ with torch.inference_mode():
     t0 = time.perf_counter(); step.warm_up(kv); print("compile s %.1f" % (time.perf_counter() - t0))
     res = {}
     for B in (1, 4, 16):
-        ids = [f"s{i}" for i in range(B)]
-        for s in ids: assert kv.ensure_capacity(s, 100)
-        meta = m.prepare(kv, ids, [90] * B, [1] * B, 0)
-        it = torch.full((B,), 5); idx = meta.last_token_indices
+        ids, meta, it, idx = decode_batch(m, kv, B)
         ref = m(it, meta, kv.kv, idx)
         out = step(it, meta, kv.kv, idx)
         ts = []
