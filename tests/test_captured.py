@@ -145,13 +145,8 @@ def test_the_target_graph_runs_prompt_chunks_as_the_eager_forward_does(target_mo
     forward's logits and cache writes."""
     step, kv = compiled_target
     ids = [f"p{i}" for i in range(len(cached))]
+    graphs = compiled_graphs()
     with torch.inference_mode():        # as the engine's step
-        # a first forward in this test may compile for the thread count the tests before left
-        runner = ModelRunner(target_model, kv, step)
-        assert kv.ensure_capacity("warm", 21)
-        runner.forward(["warm"], [20], [1], [5])
-        kv.free("warm")
-        graphs = compiled_graphs()
         try:
             eager, compiled = _forward_both(target_model, step, kv, ids, cached, new)
         finally:

@@ -22,9 +22,9 @@ are not pre-packed, tied its model op by op there, and keeps to decode and verif
 The frozen target's graph also serves every thread count: its loops take the thread count at
 run time (inductor's ``cpp.dynamic_threads``) and the compiler's guard on it is dropped
 (:func:`_any_thread_count`), so the step that runs on the drafter's lent cores (more threads
-than the target was built at) runs the graph made at build.
-That leaves one graph per model (a second graph of the frozen target would hold a second packed
-copy of its weights). The drafter's step runs at one thread count and keeps loops planned for it.
+than the target was built at) runs the graph made at build. That leaves one graph per model (a
+second graph of the frozen target would hold a second packed copy of its weights). The
+drafter's step runs at one thread count and keeps loops planned for it.
 Compiled code is cached on disk by inductor (``$TORCHINDUCTOR_CACHE_DIR``, by default
 ``~/.cache/nightdraft/inductor``), so a restart traces again (seconds) but builds no C++ again;
 the frozen target's graph, whose pre-packed weights the cache cannot store, is lowered again too
