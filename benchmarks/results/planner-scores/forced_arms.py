@@ -21,7 +21,7 @@ import client.bench_levels as BL
 from client.bench_compare import build_engines, run_level
 from client.prompts import load_prompts
 from planner.arms import arm_str
-from planner.contexts import batch_bin
+from planner.signals import LoadSignals
 
 sys.path.insert(0, "tests")
 from helpers.arms import force_arms  # noqa: E402
@@ -50,8 +50,7 @@ def main() -> None:
             steps[-1]["scored"] = True
         return update(ctx, arm, loss, weight)
     planner._loss.measure, bandit.update = measured, scored
-    lo, hi = batch_bin(concurrency)
-    main_bin = f"b{lo}" if lo == hi else f"b{lo}-{hi}"
+    main_bin = planner.bins.context(LoadSignals(batch_size=concurrency))
     try:
         run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6, temperature=0)
         prompts = load_prompts(args.prompts, requests)
@@ -69,8 +68,8 @@ def main() -> None:
                 decoding = sum(s["step_wall_s"] for s in steps)
                 by_bin = defaultdict(lambda: [0.0, 0.0])
                 for s in mine:
-                    by_bin[str(s["ctx"])][0] += s["cost"].loss * s["cost"].weight
-                    by_bin[str(s["ctx"])][1] += s["cost"].weight
+                    by_bin[s["ctx"]][0] += s["cost"].loss * s["cost"].weight
+                    by_bin[s["ctx"]][1] += s["cost"].weight
                 line = (f"[{r}] {arm:<6} run {1e3 / out['tokens_per_s']:.3f} ms/token ({out['tokens_per_s']:.0f} tok/s, "
                         f"{wall:.2f} s) | scored {len(mine)} of {len(steps)} decoding steps, score "
                         f"{1e3 * score:.3f} ms/token | decoding steps {decoding / wall:.2f} of the run | "

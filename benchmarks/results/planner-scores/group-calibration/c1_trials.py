@@ -43,17 +43,15 @@ def main() -> None:
             run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=warmup_tokens,
                       temperature=0)
             after_warmup = bin_1(engine)
-            rates, before = [], dict(engine.planner.summary()["arm_counts"])
-            for n in (4, 8, 8):
-                if len(rates) == 1:
-                    before = dict(engine.planner.summary()["arm_counts"])
-                r = run_level(engine, placement, load_prompts(args.prompts, n), concurrency=1, max_tokens=48,
-                              temperature=0)
-                rates.append(r["tokens_per_s"])
-            after = engine.planner.summary()["arm_counts"]
+            def run(n: int) -> float:
+                return run_level(engine, placement, load_prompts(args.prompts, n), concurrency=1, max_tokens=48,
+                                 temperature=0)["tokens_per_s"]
+            rates = [run(4)]
+            before = BL._arm_counts(engine)
+            rates += [run(8), run(8)]
             modes = Counter()
-            for arm, k in after.items():
-                modes[arm.split(":")[0]] += k - before.get(arm, 0)
+            for arm, k in BL._steps_since(before, BL._arm_counts(engine)).items():
+                modes[arm.split(":")[0]] += k
             total = sum(modes.values())
             shares = " ".join(f"{m} {k / total:.2f}" for m, k in modes.most_common())
             print(f"trial {trial} (warm-up {warmup_tokens} tokens): tok/s {' '.join(f'{x:.0f}' for x in rates)} | "
