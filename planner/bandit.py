@@ -18,10 +18,7 @@ The rule, per context bin (every statistic below is kept separately for each bin
   arm's mode), each group is calibrated on its own measured arms, so one arm measured in a group
   carries the prior's error for that group to the group's untried arms (a prior that misses one
   mode's cost by 2x is corrected for all its gammas at once, not one play each); a group with
-  nothing measured in the bin takes the bin's overall ratio. A group calibrated on fewer than
-  ``thin_plays`` steps of the bin, its evidence spent below ``thin_evidence``, has its prior
-  count no more observations than that evidence in the confidence bound, so an outlier step
-  cannot keep a mode unplayed for good. With ``prior_inputs`` (what the
+  nothing measured in the bin takes the bin's overall ratio. With ``prior_inputs`` (what the
   prior is computed from, now: e.g. the acceptance and the serving cost, rounded), a bin reads
   the prior again only when those change; a decision then costs the calibration alone.
 * **Unimodal groups** (``unimodal``, with ``prior_group``). The arms of a group, in the order
@@ -308,33 +305,6 @@ class ContextualBandit:
             near += members[max(lead - 1, 0):lead + 2]
         return frozenset(near)
 
-    def _bound_counts(self, b: _Bin, cnt: list) -> list:
-        """The evidence each arm's confidence bound counts: its own and its prior's, except in a
-        group calibrated on fewer than ``thin_plays`` steps of the bin whose evidence has run
-        below ``thin_evidence`` observations (the discount and the shifts spent it). There the
-        prior counts no more observations than that evidence, so the group's bound reopens
-        as its evidence ages and it is played again, until it rests on enough steps. A prior's
-        pseudo-observations never decay: a mode calibrated on one outlier step (a first drafter
-        call at twice its cost) kept every gamma priced at that outlier and plain decoding
-        played on every step after, while SD ran 1.13x faster (benchmarks/results/planner-scores/).
-        A mode measured on more steps keeps its bound: its ratio is not one step's, and one
-        that truly loses (SD beside a PSD that pays for its fill) is not reopened each time its
-        evidence runs low."""
-        thin = self.config.thin_plays
-        if not thin or not self._n_groups or self.prior_weight <= 0:
-            return cnt
-        out = None
-        for members in self._members:
-            if not 0 < sum(b.plays[i] for i in members) < thin:
-                continue
-            own = sum(b.count(i) for i in members)
-            if not 1e-9 < own < self.config.thin_evidence:      # measured, and spent
-                continue
-            out = out or list(cnt)
-            for i in members:
-                out[i] = min(cnt[i], b.count(i) + own)
-        return out or cnt
-
     def _block_len(self, b: _Bin, i: int) -> int:
         L = math.ceil((self.config.block_growth - 1.0) * b.count(i))
         return int(min(max(L, self.config.initial_block), self.config.max_block))
@@ -351,8 +321,7 @@ class ContextualBandit:
             return self._rng.choice(untried)
         spread = 2.0 * math.log(max(sum(cnt), math.e))
         width = self.config.explore * sigma
-        bound = self._bound_counts(b, cnt)
-        index = [m - width * math.sqrt(spread / max(c, 1e-300)) for m, c in zip(means, bound)]
+        index = [m - width * math.sqrt(spread / max(c, 1e-300)) for m, c in zip(means, cnt)]
         if allowed is not None:
             index = [x if i in allowed else math.inf for i, x in enumerate(index)]
         cur = self._index.get(self.current) if self.current is not None else None

@@ -110,8 +110,6 @@ class BanditConfig:
     noise_floor: float = _setting(0.02, "float", _ge(0))     # least noise, x the best mean
     noise_prior: float = _setting(0.2, "float", _ge(0))      # assumed noise, x the best mean
     unimodal: bool = _setting(False, "bool")                 # a group's leader and neighbours only
-    thin_plays: int = _setting(0, "int", _ge(0))             # a group measured on fewer steps (0: off) ...
-    thin_evidence: float = _setting(0.5, "float", _ge(0))    # ... with less evidence left: its bound reopens
 
     def __post_init__(self):
         _check(self)
@@ -136,7 +134,7 @@ def replace_settings(cfg, changes: Mapping[str, Any]):
 _FLAT_NAME = {"min_hold": "min_hold_steps"}
 _BANDIT_KEYS = {_FLAT_NAME.get(f.name, f.name): f.name for f in dataclasses.fields(BanditConfig)}
 # the planner's bandit defaults (unimodal: a mode's gammas, see planner.bandit)
-PLANNER_BANDIT = BanditConfig(min_hold=4, hysteresis=0.03, unimodal=True, thin_plays=4)
+PLANNER_BANDIT = BanditConfig(min_hold=4, hysteresis=0.03, unimodal=True)
 
 
 # ---------------------------------------------------------------------------------- planner

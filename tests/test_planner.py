@@ -12,10 +12,8 @@ from backend.mode import Mode
 from planner.bandit import ContextualBandit
 from planner.cost_model import CostProfile, expected_tokens_per_call
 from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
-from planner.config import PLANNER_BANDIT
 from planner.signals import LoadSignals
 
-from helpers.outlier_bin import run_after_outlier
 from helpers.planner_sim import ServerCosts, ServerSim, speculative_share_at_batch_1
 
 
@@ -245,26 +243,6 @@ def test_a_prior_that_misses_one_modes_cost_is_corrected_for_all_its_gammas():
 
 
 SD8 = [("ar", 0)] + [("sd", g) for g in range(1, 9)]
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_one_early_outlier_does_not_keep_its_mode_unplayed(seed):
-    """Mode auto at concurrency 1, as one run of `bench levels` had it (helpers/outlier_bin.py):
-    SD calibrated on one early step at twice its prior, its evidence spent by a shift, plain
-    decoding well measured. SD, at 0.85x plain decoding's cost, is worth playing; with the
-    prior's pseudo-observations outweighing that one step for good, every gamma stayed priced
-    at the outlier and the bin played plain decoding on every step after."""
-    played = run_after_outlier(PLANNER_BANDIT, seed)
-    assert np.mean([a[0] == "sd" for a in played[-500:]]) > 0.9, Counter(played[-500:]).most_common(3)
-
-
-def test_a_thin_spent_mode_that_truly_loses_costs_only_its_looks():
-    """The same bin with SD truly 1.3x plain decoding's cost and its one step measured at that:
-    SD's reopened bound plays it again, on a handful of steps of 2,000 (a look holds `min_hold`
-    steps, and then its calibration rests on enough steps to keep its bound)."""
-    played = run_after_outlier(PLANNER_BANDIT, 0, sd_over_plain=1.3, outlier=None)
-    sd_steps = sum(a[0] == "sd" for a in played)
-    assert 0 < sd_steps <= 2 * PLANNER_BANDIT.thin_plays, Counter(played).most_common(4)
 
 
 def unimodal_sd(best_gamma):
