@@ -1,5 +1,5 @@
 """The bin of tests/helpers/outlier_bin.py (SD calibrated on one early step, its evidence spent
-by a shift) with the thin-calibration rule off (`thin_plays` 0) and at the planner's default:
+by a shift) with the thin-calibration rule of `thin.diff` (applied first) off (`thin_plays` 0) and at the planner's default:
 per seed, SD's share of the last 500 of 2,000 steps where SD truly costs 0.85x plain decoding
 (its one step an outlier at twice its prior), and SD's steps of 2,000 where it truly costs 1.3x
 (its one step at that).
