@@ -155,9 +155,8 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
         for name, (engine, _) in engines.items():
             if engine.planner is not None and engine.planner.cost_profile is not None:
                 profiles[name] = engine.planner.cost_profile.to_dict()
-        for engine, placement in engines.values():     # compiles its graphs, not measured
-            run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6,
-                      temperature=args.temperature)
+        for engine, placement in engines.values():
+            compile_warm_up(engine, placement, args)
         for level in levels:
             prompts = load_prompts(args.prompts, max(8, int(args.requests_per_level * level)))
             warmup = load_prompts(args.prompts, warmup_requests(args, level))
@@ -183,6 +182,13 @@ def measure_in_process(args, names: list[str], levels: list[int], record, profil
         for engine, _ in engines.values():
             engine.close()
         os.sched_setaffinity(0, cores)
+
+
+def compile_warm_up(engine, placement, args) -> None:
+    """Run an engine's graphs once before anything is measured (4 requests of 6 tokens at
+    concurrency 2), as every in-process configuration gets before its levels."""
+    run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6,
+              temperature=args.temperature)
 
 
 WARMUP = -1      # the repeat number of a level's warm-up run

@@ -12,27 +12,24 @@ against its prior (both in the bin's loss units).
     python benchmarks/results/planner-scores/forced_arms.py CONCURRENCY ARMS REQUESTS ROUNDS
     # e.g. 4 ar,sd:3,psd:4 32 3
 """
-import argparse
 import sys
 import time
 from collections import defaultdict
 
 import client.bench_levels as BL
-from client.bench_compare import build_engines, run_level
+from client.bench_compare import run_level
 from client.prompts import load_prompts
 from planner.arms import arm_str
 from planner.signals import LoadSignals
 
 sys.path.insert(0, "tests")
 from helpers.arms import force_arms  # noqa: E402
+from levels_engine import auto_engine  # noqa: E402
 
 
 def main() -> None:
     concurrency, arms, requests, rounds = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
-    ap = argparse.ArgumentParser()
-    BL.add_levels_parser(ap.add_subparsers())
-    args = ap.parse_args(["levels", "--configs", "auto"])
-    engine, placement = build_engines(args, ["auto"])["auto"]
+    engine, placement, args = auto_engine()
     planner, bandit = engine.planner, engine.planner.bandit
     names = [arm_str(a) for a in bandit.arms]
     steps = []          # each decoding step the planner measured: its inputs and cost
@@ -52,7 +49,7 @@ def main() -> None:
     planner._loss.measure, bandit.update = measured, scored
     main_bin = planner.bins.context(LoadSignals(batch_size=concurrency))
     try:
-        run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6, temperature=0)
+        BL.compile_warm_up(engine, placement, args)
         prompts = load_prompts(args.prompts, requests)
         for r in range(rounds):
             for arm in arms:

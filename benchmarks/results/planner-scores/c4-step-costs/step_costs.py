@@ -8,17 +8,20 @@ reference batch). Every step that was counted but not scored, or took over 20 ms
 
     python benchmarks/results/planner-scores/c4-step-costs/step_costs.py 4 3    # step-costs-c4.txt
 """
-import argparse
 import collections
 import sys
 import time
+from pathlib import Path
 
 import client.bench_levels as BL
-from client.bench_compare import build_engines, run_level
+from client.bench_compare import run_level
 from client.prompts import load_prompts
 from planner import bandit as BD
 from planner import contexts as CX
 from planner import planner as PL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from levels_engine import auto_engine  # noqa: E402
 
 STEPS, cur = [], {}
 
@@ -87,14 +90,11 @@ def report(res: dict, seconds: float) -> None:
 
 def main() -> None:
     instrument()
-    ap = argparse.ArgumentParser()
-    BL.add_levels_parser(ap.add_subparsers())
-    args = ap.parse_args(["levels", "--configs", "auto"])
     level, trials = int(sys.argv[1]), int(sys.argv[2])
     for trial in range(trials):
-        engine, placement = build_engines(args, ["auto"])["auto"]
+        engine, placement, args = auto_engine()
         try:
-            run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6, temperature=0)
+            BL.compile_warm_up(engine, placement, args)
             run_level(engine, placement, load_prompts(args.prompts, max(4, level)), concurrency=level, max_tokens=48,
                       temperature=0)
             for r in range(3):

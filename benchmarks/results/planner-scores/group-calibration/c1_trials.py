@@ -7,14 +7,17 @@ what its bandit held in the bin of batch 1 (each mode's best mean, ms a token, a
 
 For an A/B, run it alternately from a worktree of each commit with PYTHONPATH set to it.
 """
-import argparse
 import sys
 from collections import Counter
+from pathlib import Path
 
 import client.bench_levels as BL
-from client.bench_compare import build_engines, run_level
+from client.bench_compare import run_level
 from client.prompts import load_prompts
 from planner.arms import arm_str
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from levels_engine import auto_engine  # noqa: E402
 
 
 def bin_1(engine) -> str:
@@ -32,16 +35,12 @@ def bin_1(engine) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers()
-    BL.add_levels_parser(sub)
-    args = ap.parse_args(["levels", "--configs", "auto"])
     warmup_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     for trial in range(int(sys.argv[1])):
-        engine, placement = build_engines(args, ["auto"])["auto"]
+        engine, placement, args = auto_engine()
         try:
             run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=warmup_tokens,
-                      temperature=0)
+                      temperature=0)     # bench levels' compile warm-up, its length a setting here
             after_warmup = bin_1(engine)
             def run(n: int) -> float:
                 return run_level(engine, placement, load_prompts(args.prompts, n), concurrency=1, max_tokens=48,

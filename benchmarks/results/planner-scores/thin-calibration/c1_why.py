@@ -9,15 +9,18 @@ its bins' plays.
     git apply benchmarks/results/planner-scores/thin-calibration/thin.diff
     python benchmarks/results/planner-scores/thin-calibration/c1_why.py 6    # c1_why.txt
 """
-import argparse
 import itertools
 import sys
+from pathlib import Path
 
 import client.bench_levels as BL
-from client.bench_compare import build_engines, run_level
+from client.bench_compare import run_level
 from client.prompts import load_prompts
 from planner import bandit as BD
 from planner import planner as PL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from levels_engine import auto_engine  # noqa: E402
 
 LOG, LOOKS = [], []
 
@@ -56,13 +59,10 @@ def instrument() -> None:
 
 def main() -> None:
     instrument()
-    ap = argparse.ArgumentParser()
-    BL.add_levels_parser(ap.add_subparsers())
-    args = ap.parse_args(["levels", "--configs", "auto"])
     for trial in range(int(sys.argv[1])):
-        engine, placement = build_engines(args, ["auto"])["auto"]
+        engine, placement, args = auto_engine()
         try:
-            run_level(engine, placement, load_prompts(args.prompts, 4), concurrency=2, max_tokens=6, temperature=0)
+            BL.compile_warm_up(engine, placement, args)
             print("warm-up looks:", LOOKS[:10])
             LOOKS.clear()
             LOG.clear()
