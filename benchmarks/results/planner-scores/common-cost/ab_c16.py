@@ -7,14 +7,13 @@ the shifts detected and the speculative steps played, then auto / ar-2dev by med
     git apply benchmarks/results/planner-scores/common-cost/common_cost.diff
     python benchmarks/results/planner-scores/common-cost/ab_c16.py 16 30 OUT.json
 """
-import argparse
 import collections
 import json
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[4]), str(Path(__file__).resolve().parents[1])]
 
 
 def main():
@@ -22,9 +21,8 @@ def main():
     import client.bench_levels as BL
     from client.bench_compare import build_engines, run_level
     from client.prompts import load_prompts
-    ap = argparse.ArgumentParser()
-    BL.add_levels_parser(ap.add_subparsers())
-    args = ap.parse_args(["levels"])
+    from levels_engine import levels_args
+    args = levels_args()
     built = build_engines(args, ["ar-2dev", "auto"])
     built["auto-off"] = build_engines(args, ["auto"])["auto"]
     built["auto-off"][0].planner.bandit._common_cost = None

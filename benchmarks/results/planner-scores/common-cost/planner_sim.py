@@ -19,7 +19,9 @@ import test_planner as T                      # noqa: E402
 from planner import Planner, PlannerConfig   # noqa: E402
 
 
-def run(seed, keep, batch, slow, steps=5000):
+def wall_scaled_planner(seed, keep, slow):
+    """The planner of this sim (`keep`: ``shift_keep_common``, None: the rule off) whose
+    observed wall times are scaled by ``slow(step number)``."""
     cfg = PlannerConfig.from_dict({} if keep is None else {"shift_keep_common": keep})
     p = Planner(gamma_max=6, psd_available=True, cost_profile=T.profile(), seed=seed, config=cfg)
     if keep is None:
@@ -32,17 +34,28 @@ def run(seed, keep, batch, slow, steps=5000):
         observe(decision, dataclasses.replace(outcome, step_wall_s=outcome.step_wall_s * f,
                                               drafter_rebuild_s=outcome.drafter_rebuild_s * f))
     p.observe = slowed
+    return p
+
+
+def run(seed, keep, batch, slow, steps=5000):
+    p = wall_scaled_planner(seed, keep, slow)
     eng = T.FakeEngine(p, seed=seed)
     modes = [eng.step(batch)[0].mode for _ in range(steps)]
     return sum(m != "ar" for m in modes[3000:3600]), p.bandit.shifts
 
 
-for batch in (16, 96):
-    for name, slow in (("x1.5 in 3000-3299", lambda i: 1.5 if 3000 <= i < 3300 else 1.0),
-                       ("x1.5 from 3000", lambda i: 1.5 if i >= 3000 else 1.0),
-                       ("x0.7 from 3000", lambda i: 0.7 if i >= 3000 else 1.0)):
-        for keep in (None, 0.3, 2.0):
-            r = [run(s, keep, batch, slow) for s in range(10)]
-            tag = "off" if keep is None else f"on, keep {keep}"
-            print(f"batch {batch:3d} {name:18s} common_cost {tag:12s}: speculative steps in 3000-3599 "
-                  f"{[x for x, _ in r]} (sum {sum(x for x, _ in r)}), shifts {sum(y for _, y in r)}", flush=True)
+def main():
+    for batch in (16, 96):
+        for name, slow in (("x1.5 in 3000-3299", lambda i: 1.5 if 3000 <= i < 3300 else 1.0),
+                           ("x1.5 from 3000", lambda i: 1.5 if i >= 3000 else 1.0),
+                           ("x0.7 from 3000", lambda i: 0.7 if i >= 3000 else 1.0)):
+            for keep in (None, 0.3, 2.0):
+                r = [run(s, keep, batch, slow) for s in range(10)]
+                tag = "off" if keep is None else f"on, keep {keep}"
+                print(f"batch {batch:3d} {name:18s} common_cost {tag:12s}: speculative steps in 3000-3599 "
+                      f"{[x for x, _ in r]} (sum {sum(x for x, _ in r)}), shifts {sum(y for _, y in r)}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

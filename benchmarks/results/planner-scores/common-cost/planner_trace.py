@@ -7,25 +7,13 @@ steps 3,050-3,600.
     git apply benchmarks/results/planner-scores/common-cost/common_cost.diff
     python benchmarks/results/planner-scores/common-cost/planner_trace.py  # planner_trace.txt
 """
-import dataclasses
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[4]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-import test_planner as T                      # noqa: E402
-from planner import Planner, PlannerConfig   # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_sim import T, wall_scaled_planner   # noqa: E402
 
-p = Planner(gamma_max=6, psd_available=True, cost_profile=T.profile(), seed=0,
-            config=PlannerConfig.from_dict({"shift_keep_common": 0.3}))
-observe, n = p.observe, [0]
-
-
-def faster(decision, outcome):
-    f = 0.7 if n[0] >= 3000 else 1.0
-    n[0] += 1
-    observe(decision, dataclasses.replace(outcome, step_wall_s=outcome.step_wall_s * f,
-                                          drafter_rebuild_s=outcome.drafter_rebuild_s * f))
+p = wall_scaled_planner(0, 0.3, lambda i: 0.7 if i >= 3000 else 1.0)
 
 
 def show(tag):
@@ -33,7 +21,6 @@ def show(tag):
     print(f"{tag}: " + ", ".join(f"{a} {1e3 * m:.3f} ({e:.1f})" for m, a, e in means))
 
 
-p.observe = faster
 engine = T.FakeEngine(p, seed=0)
 shifts = 0
 for i in range(3601):
