@@ -16,7 +16,7 @@ from pathlib import Path
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    table = defaultdict(list)           # (path, side, concurrency) -> [(auto/best, auto/ar-1dev, auto tok/s)]
+    table = defaultdict(list)   # (path, side, concurrency) -> [(auto/best, auto/ar-1dev, auto tok/s, best fixed)]
     for f in sorted(folder.glob("*-[0-9]*.json")):
         side = f.stem.rsplit("-", 1)[0]
         for row in json.loads(f.read_text())["rows"]:
@@ -31,8 +31,10 @@ def main() -> None:
     print()
     for (path, side, c), runs in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         best = [r[0] for r in runs]
+        one_core = [r[1] for r in runs if r[1] is not None]
         print(f"{path:10s} c={c:<3d} {side:5s} auto/best median {statistics.median(best):.3f} "
-              f"(runs {' '.join(f'{x:.3f}' for x in best)}); auto tok/s median {statistics.median(r[2] for r in runs):.0f}")
+              f"(runs {' '.join(f'{x:.3f}' for x in best)}); auto tok/s median {statistics.median(r[2] for r in runs):.0f}"
+              + (f"; auto/ar-1dev median {statistics.median(one_core):.3f}" if one_core else ""))
 
 
 if __name__ == "__main__":
