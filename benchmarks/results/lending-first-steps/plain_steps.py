@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import statistics
 import sys
 
 AR = "(<Mode.AR: 'ar'>, 0)"
@@ -50,6 +51,21 @@ def main() -> None:
     print()
     for k, n in sorted(kinds.items()):
         print(f"{k[0]:4s} {k[1]:34s} {n}")
+    print()
+    by_place, since = collections.defaultdict(list), None
+    for r in rows:
+        if r["ran"] != "ar":
+            since = 0
+            continue
+        if not r["decoded"]:
+            continue
+        since = since + 1 if since is not None else 99
+        if not r["prefill"] and not r["lent"] and 12 <= r["batch"] <= 16:
+            by_place[min(since, 6)].append((r["fwd"] / r["batch"], r["cycle"] / r["batch"]))
+    for place, steps in sorted(by_place.items()):
+        print(f"own-thread plain step {'6 or later' if place == 6 else place} after a speculative one: "
+              f"{len(steps)} steps, forward {1e3 * statistics.median(f for f, _ in steps):.3f} ms and cycle "
+              f"{1e3 * statistics.median(c for _, c in steps):.3f} ms a sequence (medians)")
 
 
 if __name__ == "__main__":
