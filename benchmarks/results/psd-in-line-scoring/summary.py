@@ -28,9 +28,12 @@ for name in (a for a in sys.argv[1:] if "=" not in a):
         c, r = row["concurrency"], row["auto_over_best_fixed"]
         by_side[side][c].append(r)
         top = max(row["tokens_per_s"].items(), key=lambda kv: kv[1] if kv[0] != "auto" else -1)
-        arms = " ".join(f"{a}:{s:.0%}" for a, s in list(row["auto_arm_shares"].items())[:2])
-        plain = row["auto_arm_shares"].get("ar", 0.0)
-        cells.append(f"c={c} {r:.2f} (best {top[0]}, auto played ar:{plain:.0%}; {arms})")
+        shares = row.get("auto_arm_shares")      # (none through the server: its planner is out of reach)
+        if shares:
+            arms = " ".join(f"{a}:{s:.0%}" for a, s in list(shares.items())[:2])
+            cells.append(f"c={c} {r:.2f} (best {top[0]}, auto played ar:{shares.get('ar', 0.0):.0%}; {arms})")
+        else:
+            cells.append(f"c={c} {r:.2f} (best {top[0]})")
     print(f"{path.parent.name}/{path.stem:6s} " + " | ".join(cells))
 print()
 for side, levels in by_side.items():
