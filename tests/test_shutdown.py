@@ -253,9 +253,12 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
     server = start_server(repo, tmp_path / "server.log")
     try:
         # One runs, two wait: the running one as long as the context allows, so that the queue
-        # stays full while the requests below are refused.
-        accepted = Streams(server.grpc_url, [1000, 1000, 1000])
+        # stays full while the requests below are refused. The first starts alone: three sent
+        # at once can all arrive before the engine takes one in, and then the third is the one
+        # refused (the queue holds two).
+        accepted = Streams(server.grpc_url, [1000])
         wait_streaming(accepted, server, min_running=1)
+        waiting = Streams(server.grpc_url, [1000, 1000])
         deadline = time.monotonic() + 30
         from helpers.triton import metrics
         seen = []     # (s, running, waiting, generated tokens): what the failure message shows
@@ -280,6 +283,8 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
         _, errors, final = infer_raw(server, [("text_input", np.array([b"hi"], dtype=np.object_), "BYTES")])
         assert final and errors and "server busy" in errors[0]
         accepted.join(120)
-        assert [accepted.results[i][0] for i in range(3)] == ["done"] * 3
+        waiting.join(120)
+        ends = [accepted.results.get(0), waiting.results.get(0), waiting.results.get(1)]
+        assert [e and e[0] for e in ends] == ["done"] * 3, f"an accepted request did not finish: {ends}"
     finally:
         server.stop(timeout_s=30)
