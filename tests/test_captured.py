@@ -138,6 +138,34 @@ def test_one_graph_serves_every_thread_count(tmp_path):
     torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
 
 
+def test_weights_packed_after_the_compile_do_not_compile_the_step_again(tmp_path):
+    """Where one thread's kernel verdicts pack nothing (MKL wins every row count, as on a host
+    without AVX-512), the target is compiled with no packed weights, and the lent cores'
+    verdicts may pack them afterwards (`add_thread_verdicts`). The compiled step never reads
+    `packed`, so it does not compile again at the first lent step (it did: a guard on
+    `packed is None`)."""
+    from backend.model.linear import ROW_LADDER, Linear, _pack
+
+    model = load_model(save_random_llama(tmp_path / "two_layers", layers=2, seed=12), attention="paged")
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(lin.packed is None for lin in layers)
+    kv = PagedKVCache.for_model(model.config, 4 << 20, block_size=16)
+    step = CompiledStep(model, max_query_len=3, freeze=True)
+    step.warm_up(kv)
+    graphs = compiled_graphs()
+    _pack(layers)                                   # as the lent cores' verdicts pack them
+    for lin in layers:
+        lin._use_packed = (True,) * len(ROW_LADDER)
+    try:
+        with torch.inference_mode():
+            eager, compiled = _forward_both(model, step, kv, ["a", "b"], [20, 30], [3, 1])
+    finally:
+        for sid in ("a", "b"):
+            kv.free(sid)
+    assert compiled_graphs() == graphs, "packing the weights after the compile compiled the step again"
+    torch.testing.assert_close(compiled, eager, atol=LOGITS_TOL, rtol=0)
+
+
 @pytest.mark.parametrize("cached,new", [([0], [40]), ([0], [300]), ([16, 0], [1, 23]), ([0, 30, 9], [70, 5, 1])])
 def test_the_target_graph_runs_prompt_chunks_as_the_eager_forward_does(target_model, compiled_target, cached, new):
     """Prompt chunks, alone and beside decoding and verifying sequences, run the frozen target's

@@ -49,8 +49,11 @@ class Linear(nn.Linear):
     _by_threads: dict[int, tuple[bool, ...]] = {}    # other thread counts' verdicts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A compiled step picks its own GEMM (the row count is symbolic there).
-        if self.packed is not None and not torch.compiler.is_compiling():
+        # A compiled step picks its own GEMM (the row count is symbolic there). The compiler's
+        # test comes first so that tracing never reads `packed`: read, it would be guarded, and
+        # packing the weights for another thread count after the compile (where one thread's
+        # verdicts had packed nothing) would compile the step again at the first lent step.
+        if not torch.compiler.is_compiling() and self.packed is not None:
             use = self._by_threads.get(torch.get_num_threads(), self._use_packed) if self._by_threads \
                 else self._use_packed
             if use[_rung(x.shape[0])]:
