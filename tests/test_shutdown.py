@@ -253,12 +253,13 @@ def test_a_full_queue_answers_busy_and_serves_on(tmp_path):
     server = start_server(repo, tmp_path / "server.log")
     try:
         # One runs, two wait: the running one as long as the context allows, so that the queue
-        # stays full while the requests below are refused. The first starts alone: three sent
-        # at once can all arrive before the engine takes one in, and then the third is the one
-        # refused (the queue holds two).
+        # stays full while the requests below are refused (the waiting ones' length does not
+        # matter, they wait behind it). The first starts alone: three sent at once can all
+        # arrive before the engine takes one in, and then the third is the one refused (the
+        # queue holds two).
         accepted = Streams(server.grpc_url, [1000])
         wait_streaming(accepted, server, min_running=1)
-        waiting = Streams(server.grpc_url, [1000, 1000])
+        waiting = Streams(server.grpc_url, [24, 24])
         deadline = time.monotonic() + 30
         from helpers.triton import metrics
         seen = []     # (s, running, waiting, generated tokens): what the failure message shows
