@@ -7,7 +7,6 @@ from step_time import step_cases
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1]); torch.set_num_threads(1)
 model = load_model("models/tiny-target", attention="paged")
 kv = PagedKVCache.for_model(model.config, 64 << 20, block_size=16, dtype=torch.float32, device="cpu")
-from backend.model.runner import ModelRunner
 t = {}
 with torch.inference_mode():
     cases = step_cases(model, kv)
