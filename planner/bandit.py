@@ -507,6 +507,14 @@ class ContextualBandit:
         n, s, _ = b.sums()
         return {a: (s[i] / n[i], n[i]) for i, a in enumerate(self.arms) if n[i] > 1e-9}
 
+    def raw_prior(self, context: Context) -> dict:
+        """{arm: the prior's loss for it as last read in `context`, before its scale is
+        calibrated to the bin's measurements} (empty where no prior was read there)."""
+        b = self._bins.get(context)
+        if b is None or b.prior_read is None:
+            return {}
+        return {a: v for a, v in zip(self.arms, b.prior_read[1]) if v == v}
+
     def _means_of(self, means, cnt, _sigma, known) -> dict:
         return {a: (float(means[i]), float(cnt[i])) for i, a in enumerate(self.arms) if known[i]}
 

@@ -479,6 +479,10 @@ class Planner:
                 "shifts": cs.shifts,
                 "plays": {arm_str(a): n for a, n in cs.plays.items()},
                 "mean_loss": {arm_str(a): m for a, (m, _) in cs.means.items()},
+                # what the means are made of: each arm's measurements alone (mean, evidence)
+                # and the cost model's prior before the bin's calibration
+                "measured_loss": {arm_str(a): [m, n] for a, (m, n) in b.measured(ctx).items()},
+                "prior_loss": {arm_str(a): v for a, v in b.raw_prior(ctx).items()},
             }
         return self.summary() | {"shifts": b.shifts, "stale_resets": b.stale_resets,
                                  "per_context": per, "timeline": self.timeline()}

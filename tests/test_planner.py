@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from backend.mode import Mode
+from planner.arms import arm_str
 from planner.bandit import ContextualBandit
 from planner.cost_model import CostProfile, expected_tokens_per_call
 from planner import AR, Decision, Planner, PlannerConfig, StepOutcome, batch_bin
@@ -1594,3 +1595,23 @@ def test_a_plain_step_on_cores_only_being_tried_counts_as_played_but_not_in_the_
     r.decide(LoadSignals(batch_size=8, now=0.005))
     r.observe(AR, StepOutcome(step_wall_s=0.006, tokens_committed=8, batch_size=8))
     assert plain == pytest.approx(r.bandit.measured(ctx)[AR.arm][0], rel=1e-6)
+
+
+def test_the_planner_record_keeps_each_bins_measurements_apart_from_its_prior():
+    """``stats()`` per bin: each arm's measured mean alone (with its evidence) and the cost
+    model's prior before the bin calibrates it, so a record read after a run says which of the
+    two an arm's mean came from. Without a profile there is no prior to show."""
+    p = Planner(gamma_max=4, psd_available=True, cost_profile=profile(), seed=0)
+    eng = FakeEngine(p, seed=0, noise=0.0)
+    for _ in range(400):
+        eng.step(96)
+    rec = p.stats()["per_context"]["b64-127"]
+    ref = p.bins.ref_batch(next(c for c in p.bandit.contexts if str(c) == "b64-127"))
+    assert set(rec["prior_loss"]) == {arm_str(a) for a in p.arms}
+    assert rec["prior_loss"]["ar"] == pytest.approx(t_verify(round(ref), 1) / round(ref), rel=1e-6)
+    assert set(rec["measured_loss"]) <= set(rec["plays"]) and "ar" in rec["measured_loss"]
+    mean, evidence = rec["measured_loss"]["ar"]
+    assert evidence > 10 and mean == pytest.approx(rec["prior_loss"]["ar"], rel=0.1)   # the profile is the truth here
+    cold = Planner(gamma_max=4, psd_available=True, cost_profile=None, seed=0)
+    FakeEngine(cold, seed=0).step(96)
+    assert all(not c["prior_loss"] for c in cold.stats()["per_context"].values())
