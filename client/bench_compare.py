@@ -81,9 +81,9 @@ def _apply(p: Placement) -> None:
 
 
 def planner_variant(name: str) -> dict | None:
-    """The planner settings of a configuration named ``auto@KEY=VALUE+KEY=VALUE`` (mode auto with
-    those settings, e.g. ``auto@plain_settle_steps=3+prune=false``; each VALUE is read as JSON,
-    else taken as a string), None for any other name. The settings are checked where the engine's
+    """The settings of a configuration named ``auto@KEY=VALUE+KEY=VALUE`` (mode auto with those
+    planner or engine settings, e.g. ``auto@plain_settle_steps=3+prune=false``: `split_variant`;
+    each VALUE is read as JSON, else taken as a string), None for any other name. The settings are checked where the engine's
     config is: an unknown key or a wrong type fails before anything loads."""
     base, at, spec = name.partition("@")
     if base != "auto" or not at:
@@ -100,12 +100,26 @@ def planner_variant(name: str) -> dict | None:
     return settings
 
 
+def split_variant(settings: dict) -> tuple[dict, dict]:
+    """A variant's settings as (the engine's keys, the planner's): a key that names one of the
+    engine's settings (``auto@lend_drafter_cores_first=false``) is the engine's, any other the
+    planner's."""
+    from dataclasses import fields
+
+    from backend.engine.config import EngineConfig
+
+    engine_fields = {f.name for f in fields(EngineConfig)} - {"planner", "mode"}
+    engine = {k: v for k, v in settings.items() if k in engine_fields}
+    return engine, {k: v for k, v in settings.items() if k not in engine}
+
+
 def engine_config(name: str, args) -> tuple[dict, Placement]:
     """One configuration's engine keys (also a server's engine.json) and its target's placement."""
     variant = planner_variant(name)
     if variant is not None:
         cfg, placement = engine_config("auto", args)
-        return cfg | {"planner": variant}, placement
+        engine_keys, planner_keys = split_variant(variant)
+        return cfg | engine_keys | {"planner": planner_keys}, placement
     one, both = _placements()
     cfg = dict(target=args.target, device=args.device, dtype=args.dtype,
                kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=128, seed=0, **executor_args(args))

@@ -8,7 +8,8 @@ both paths a user meets, in process and through a real tritonserver, it runs sid
   sd       sequential SD, the drafter in its worker on its own core
   psd      batch-parallel SD, the same two devices
   auto     mode auto: the planner picks plain decoding, SD or PSD and gamma per step
-  auto@KEY=VALUE[+KEY=VALUE]   mode auto with those planner settings, beside auto: each
+  auto@KEY=VALUE[+KEY=VALUE]   mode auto with those planner settings (or engine settings, a
+           KEY that names one, e.g. lend_drafter_cores=false), beside auto: each
            repeat's ratio to auto is reported (the two ran minutes apart in the same rotation,
            so a change tried as a setting is weighed without the drift between separate runs)
 
@@ -74,7 +75,7 @@ def add_levels_parser(bench_sub) -> None:
     p.add_argument("--prompts", default=None, help='a prompts file, or a bundled set: "heldout" (default)')
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated; auto@KEY=VALUE[+KEY=VALUE] adds mode auto with those planner "
-                        "settings, reported against auto repeat by repeat")
+                        "(or engine) settings, reported against auto repeat by repeat")
     p.add_argument("--paths", default=",".join(PATHS), help="in-process, server, or both")
     p.add_argument("--server-client", choices=("perf_analyzer", "python"), default="perf_analyzer",
                    help="who loads the server: perf_analyzer (C++) or gRPC streams from this process")
@@ -90,12 +91,11 @@ def run_levels_cli(args) -> int:
     unknown = [n for n in names if n not in CONFIGS and planner_variant(n) is None]
     if unknown:
         raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS} or auto@KEY=VALUE[+KEY=VALUE]")
-    from planner import PlannerConfig
+    from backend.engine.config import EngineConfig
     for n in names:                 # a variant's settings, checked before any engine loads
-        settings = planner_variant(n)
-        if settings is not None:
+        if planner_variant(n) is not None:
             try:
-                PlannerConfig.from_dict(settings)
+                EngineConfig(**engine_config(n, args)[0])
             except ValueError as e:
                 raise ValueError(f"config {n!r}: {e}") from None
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]

@@ -81,7 +81,11 @@ def test_a_planner_variant_names_its_settings_and_a_bad_one_fails_before_anythin
     cfg, _ = engine_config("auto@prune=false", args)
     base, _ = engine_config("auto", args)
     assert cfg == base | {"planner": {"prune": False}}
-    for bad, why in (("auto@no_such_setting=1", "unknown setting"), ("auto@prune=3", "prune: must be true or false")):
+    # a key that names one of the engine's settings is the engine's
+    cfg, _ = engine_config("auto@lend_drafter_cores=false+prune=false", args)
+    assert cfg == base | {"lend_drafter_cores": False, "planner": {"prune": False}}
+    for bad, why in (("auto@no_such_setting=1", "unknown setting"), ("auto@prune=3", "prune: must be true or false"),
+                     ("auto@lend_drafter_cores=sometimes", "lend_drafter_cores: true, false")):
         out = subprocess.run([sys.executable, "-m", "client.cli", "bench", "levels", "--configs", f"ar-2dev,{bad}",
                               "--paths", "in-process", "--json", "/dev/null"], capture_output=True, text=True,
                              timeout=120)
