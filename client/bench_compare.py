@@ -83,8 +83,9 @@ def _apply(p: Placement) -> None:
 def planner_variant(name: str) -> dict | None:
     """The settings of a configuration named ``auto@KEY=VALUE+KEY=VALUE`` (mode auto with those
     planner or engine settings, e.g. ``auto@plain_settle_steps=3+prune=false``: `split_variant`;
-    each VALUE is read as JSON, else taken as a string), None for any other name. The settings are checked where the engine's
-    config is: an unknown key or a wrong type fails before anything loads."""
+    each VALUE is read as JSON, else taken as a string), None for any other name. The settings
+    are checked where the engine's config is: an unknown key or a wrong type fails before
+    anything loads."""
     base, at, spec = name.partition("@")
     if base != "auto" or not at:
         return None
@@ -102,8 +103,8 @@ def planner_variant(name: str) -> dict | None:
 
 def split_variant(settings: dict) -> tuple[dict, dict]:
     """A variant's settings as (the engine's keys, the planner's): a key that names one of the
-    engine's settings (``auto@lend_drafter_cores_first=false``) is the engine's, any other the
-    planner's."""
+    engine's settings (``auto@lend_drafter_cores=false``) is the engine's, any other the
+    planner's (no setting has a name in both)."""
     from dataclasses import fields
 
     from backend.engine.config import EngineConfig

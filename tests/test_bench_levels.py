@@ -203,3 +203,13 @@ def test_a_failure_through_the_server_keeps_the_runs_measured_before_it(tmp_path
         ("in-process", "ar-2dev", True), ("in-process", "ar-2dev", False),
         ("server", "ar-2dev", True)]         # the server's warm-up (gRPC streams) ran before it failed
     assert report["rows"][0]["tokens_per_s"]["ar-2dev"] > 0
+
+
+def test_no_planner_setting_shares_a_name_with_an_engine_setting():
+    """`split_variant` sends a variant's key to the engine when the engine has a setting of that
+    name: a planner setting of the same name could never be set from `bench levels`."""
+    from dataclasses import fields
+
+    from backend.engine.config import EngineConfig
+    from planner import PlannerConfig
+    assert not {f.name for f in fields(EngineConfig)} & {f.name for f in fields(PlannerConfig)}
