@@ -7,7 +7,6 @@ after 20, the batch sizes in turns. From the checkout:
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from backend.model.kv_cache import PagedKVCache  # noqa: E402
 from backend.model.loader import load_model  # noqa: E402
 from backend.model.runner import capture_for  # noqa: E402
 
-step_time.SHAPES = [(b, 1) for b in (8, 12, 13, 14, 15, 16, 17, 20, 24)]
+SHAPES = [(b, 1) for b in (8, 12, 13, 14, 15, 16, 17, 20, 24)]
 
 if __name__ == "__main__":
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
@@ -27,15 +26,6 @@ if __name__ == "__main__":
     model = load_model("models/tiny-target", attention="paged")
     kv = PagedKVCache.for_model(model.config, 512 << 20, block_size=16, dtype=torch.float32, device="cpu")
     step = capture_for(model, kv, "auto", "target", max_query_len=5)
-    times = {shape: [] for shape in step_time.SHAPES}
-    with torch.inference_mode():
-        cases = step_time.step_cases(model, kv)
-        for i in range(220):
-            for shape, meta, tokens, rows in cases:
-                t0 = time.perf_counter()
-                step(tokens, meta, kv.kv, rows)
-                if i >= 20:
-                    times[shape].append(time.perf_counter() - t0)
-    for (b, _), ts in times.items():
+    for (b, _), ts in step_time.time_shapes(model, kv, step, SHAPES, rounds=220, skip=20).items():
         ms = 1e3 * statistics.median(ts)
         print(f"batch {b:3d}: {ms:6.2f} ms a step, {ms / b:.3f} ms a sequence")

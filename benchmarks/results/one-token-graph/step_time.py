@@ -19,18 +19,32 @@ from backend.model.runner import capture_for
 SHAPES = [(1, 1), (4, 1), (16, 1), (4, 5)]      # decode at 1, 4, 16; verification of 4 drafts at 4
 
 
-def step_cases(model, kv):
-    """For each of SHAPES, in `kv`: (shape, its metadata, tokens, logits rows), contexts of 150
+def step_cases(model, kv, shapes=SHAPES):
+    """For each of `shapes`, in `kv`: (shape, its metadata, tokens, logits rows), contexts of 150
     tokens. Call in inference mode, as the engine's step runs (tensors of another kind compile
     again)."""
     cases = []
-    for b, q in SHAPES:
+    for b, q in shapes:
         ids = [f"s{b}_{q}_{i}" for i in range(b)]
         for sid in ids:
             kv.ensure_capacity(sid, 200)
         meta = model.prepare(kv, ids, [150] * b, [q] * b)
         cases.append(((b, q), meta, torch.zeros(b * q, dtype=torch.long), meta.last_token_indices))
     return cases
+
+
+def time_shapes(model, kv, step, shapes=SHAPES, rounds=330, skip=30) -> dict:
+    """{shape: the step's seconds in each round after the first `skip`}, the shapes in turns."""
+    times = {shape: [] for shape in shapes}
+    with torch.inference_mode():     # as the engine's step (tensors of another kind compile again)
+        cases = step_cases(model, kv, shapes)
+        for i in range(rounds):
+            for shape, meta, tokens, rows in cases:
+                t0 = time.perf_counter()
+                step(tokens, meta, kv.kv, rows)
+                if i >= skip:
+                    times[shape].append(time.perf_counter() - t0)
+    return times
 
 if __name__ == "__main__":
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
@@ -40,14 +54,6 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     step = capture_for(model, kv, "auto", "target", max_query_len=5)
     print(f"compiled {compiled_graphs()} graph(s) in {time.perf_counter() - t0:.1f} s")
-    times = {shape: [] for shape in SHAPES}
-    with torch.inference_mode():     # as the engine's step (tensors of another kind compile again)
-        cases = step_cases(model, kv)
-        for i in range(330):
-            for shape, meta, tokens, rows in cases:
-                t0 = time.perf_counter()
-                step(tokens, meta, kv.kv, rows)
-                if i >= 30:
-                    times[shape].append(time.perf_counter() - t0)
+    times = time_shapes(model, kv, step)
     print("  ".join(f"b{b}q{q} {1e3 * statistics.median(times[(b, q)]):.3f}" for b, q in SHAPES),
           f"ms; graphs in all: {compiled_graphs()}")
