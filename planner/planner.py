@@ -57,6 +57,7 @@ from planner.config import PlannerConfig
 from planner.contexts import ContextBins, StepLoss, batch_bin
 from planner.cost_model import CostProfile
 from planner.offload_policy import DrafterPlace, MemoryRule, OffloadPolicy
+from planner.policy_check import PolicyCheck
 from planner.pruning import ArmPruner
 from planner.serving_cost import ServingCost
 from planner.outcome import StepOutcome
@@ -113,6 +114,12 @@ class Planner:
                                  min_obs=cfg.prune_min_obs, check_every=cfg.prune_check_every,
                                  alpha_shift=cfg.prune_alpha_shift,
                                  demand_shift=cfg.prune_demand_shift, on_move=self._context_moved)
+        self._policy = PolicyCheck(cfg.policy_check and AR.arm in self._decisions,
+                                   min_batch=cfg.policy_check_min_batch, margin=cfg.policy_check_margin,
+                                   first_after=cfg.policy_check_after_steps,
+                                   max_interval=cfg.policy_check_max_interval,
+                                   seq_tokens=cfg.policy_check_seq_tokens, settle=cfg.plain_settle_steps)
+        self._policy_plain = False    # the last decision was restricted to plain decoding by it
         self._timeline = Timeline(cfg.timeline_max, cfg.timeline_every)
 
         self.steps = 0
@@ -180,7 +187,7 @@ class Planner:
         if kv_below is None or signals.kv_usage >= kv_below:
             return 0, 0.0
         self._steady_bin = batch_bin(signals.batch_size)
-        return min(self.bandit.block_left(self._ctx), self.STEADY_MAX), kv_below
+        return min(self.bandit.block_left(self._ctx), self._policy.steps_left(), self.STEADY_MAX), kv_below
 
     def decide_held(self, now: float, batch_size: int,
                     drafter_lag_tokens: int | None = None) -> Decision | None:
@@ -225,6 +232,12 @@ class Planner:
                 # plain decoding (the offload's plain-decoding road) until the probe is over
                 self._ar_since = (self.steps + 1, now)
             return (AR.arm,)
+        plain_only, was = self._policy.plain_only(), self._policy_plain
+        self._policy_plain = plain_only
+        if plain_only:
+            return (AR.arm,)      # plain decoding held, or on trial, over a whole stretch
+        if was:
+            self.bandit.interrupt()   # decide afresh, not by the block the forced plays grew
         base = self._no_psd_arms if s.batch_size < 2 and self.psd_available else None
         prior = self._prior
         kept = self._pruner.allowed(
@@ -257,6 +270,8 @@ class Planner:
         The n-gram match counts (whatever ran) are the n-gram arms' prior."""
         o = outcome
         decision = o.ran if o.ran is not None else issued
+        self._policy.observe(max(o.step_wall_s - o.memory_s, 0.0), o.tokens_committed, o.batch_size,
+                             decision.uses_drafter, priced=not o.trying_cores)
         self._ngram_matches.observe(o.ngram_matched, o.ngram_compared)
         if o.drafter_reload_s > 0:
             self._switch.observe_reload(o.drafter_reload_s)
@@ -464,6 +479,7 @@ class Planner:
             "forward_s_per_token": self.forward_cost.seconds_per_token,
             "serving_cost": self.serving_cost.summary(),
             "pruning": self._pruner.summary(),
+            "policy_check": self._policy.summary(),
         }
 
     def stats(self) -> dict:
@@ -485,4 +501,5 @@ class Planner:
                 "prior_loss": {arm_str(a): v for a, v in b.raw_prior(ctx).items()},
             }
         return self.summary() | {"shifts": b.shifts, "stale_resets": b.stale_resets,
+                                 "policy_check": self._policy.stats(),
                                  "per_context": per, "timeline": self.timeline()}

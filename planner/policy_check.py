@@ -1,0 +1,206 @@
+"""Plain decoding against the planner's own choice, compared over whole stretches of steps.
+
+The bandit scores every step in its batch bin, so it compares arms at the same batch. What a
+user sees is different: the time a whole stretch of serving takes per token, and a mode changes
+which batches the server runs at. Through the server at concurrency 16, a speculating engine
+spends a third of its steps at batch 14-15 (a finished request's replacement on its way, the
+front end busy on the same cores), while plain decoding, its requests in lockstep, spends
+nearly all of them at 16; in the bin of 8-15 plain decoding is seen only on its few turnover
+steps and looks dear there, while over the stretch it served a quarter more tokens a second
+(`benchmarks/results/centred-bins/`, `benchmarks/results/batch-15/`).
+
+So :class:`PolicyCheck` compares two policies, the bandit's choice ("auto") and plain decoding
+alone ("plain"), the way a user meets them. One of them is the incumbent (auto, to begin
+with). Every so often, while the batch is at least ``min_batch``, the other runs for a stretch
+(the challenger's trial), between a stretch of the incumbent before it and one after it; the
+cost of each stretch is its steps' busy wall time (forwards, prompts, the serving path: each
+step's cycle) over the tokens it committed. A challenger whose cost is below ``1 - margin``
+times the mean of the incumbent's two becomes the incumbent. The stretch after the trial is
+there so that a load that moves during the check moves both sides of the ratio.
+
+* Each stretch leaves out its first ``settle`` steps (the switch's transient: the turn-off, the
+  drafter's catch-up, the pipeline's fill) and any plain step on the cores the engine is only
+  trying (its lending choice: not plain decoding as it will run), and lasts at least ``seq_tokens`` tokens per running
+  sequence and ``min_steps`` steps.
+* The first check comes ``first_after`` steps after the start (or a swap); each time the
+  incumbent holds, the next comes twice as many steps later, up to ``max_interval``: a policy
+  that keeps winning is checked ever more rarely, and so costs ever less.
+* No check while auto already decodes plainly (under a tenth of its stretch drafted): there is
+  nothing to compare.
+* Held plain decoding gives way to the bandit as soon as the batch moves a factor 2 from where the
+  verdict was taken: at another load the bandit's bins decide again, from the next check on.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+AUTO, PLAIN = "auto", "plain"
+_RUN, _TRIAL, _AFTER = "run", "trial", "after"
+
+
+@dataclass
+class Stretch:
+    """Steps summed: busy wall time, tokens committed, steps, running sequences, drafting steps."""
+    wall_s: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    batch_sum: int = 0
+    drafting: int = 0
+
+    def add(self, wall_s: float, tokens: int, batch: int, drafted: bool) -> None:
+        self.wall_s += wall_s
+        self.tokens += tokens
+        self.steps += 1
+        self.batch_sum += batch
+        self.drafting += bool(drafted)
+
+    @property
+    def cost(self) -> float:
+        """Seconds per committed token."""
+        return self.wall_s / self.tokens if self.tokens else float("inf")
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_sum / self.steps if self.steps else 0.0
+
+
+class PolicyCheck:
+    def __init__(self, enabled: bool = True, *, min_batch: int = 8, margin: float = 0.05,
+                 first_after: int = 96, max_interval: int = 4096, seq_tokens: int = 48,
+                 min_steps: int = 16, settle: int = 7, max_verdicts: int = 64):
+        self.enabled = bool(enabled)
+        self.min_batch = int(min_batch)
+        self.margin = float(margin)
+        self.first_after = int(first_after)
+        self.max_interval = max(int(max_interval), self.first_after)
+        self.seq_tokens = int(seq_tokens)
+        self.min_steps = int(min_steps)
+        self.settle = int(settle)
+        self.incumbent = AUTO
+        self._phase = _RUN
+        self._interval = self.first_after
+        self._since_check = 0          # steps of the incumbent's run since the last check
+        self._to_settle = 0            # steps of the current phase still left out
+        self._recent: deque = deque(maxlen=2048)   # the incumbent's run: (wall, tokens, batch, drafted)
+        self._before: Stretch | None = None
+        self._trial: Stretch | None = None
+        self._acc = Stretch()
+        self._target_tokens = 0
+        self._level = 0.0              # the batch the last verdict for plain decoding was taken at
+        self._batch_avg = 0.0
+        self.checks = self.swaps = self.skipped = self.left_on_load = 0
+        self.verdicts: deque = deque(maxlen=max_verdicts)
+        self._step = 0
+
+    # ------------------------------------------------------------------ what the planner reads
+
+    def plain_only(self) -> bool:
+        """Must the next step decode plainly (plain decoding is the incumbent, or on trial)?"""
+        if not self.enabled:
+            return False
+        return (self.incumbent == PLAIN) != (self._phase == _TRIAL)
+
+    def steps_left(self) -> int:
+        """Steps for which :meth:`plain_only` cannot change (0: ask every step)."""
+        if not self.enabled:
+            return 1 << 30
+        if self._phase != _RUN:
+            return 0
+        return max(self._interval - self._since_check, 0)
+
+    # ------------------------------------------------------------------ what it is told
+
+    def observe(self, wall_s: float, tokens: int, batch: int, drafted: bool,
+                priced: bool = True) -> None:
+        """One step: its busy wall time, the tokens it committed, the sequences it ran, whether
+        it drafted; `priced` false for a step that is not its policy as it will run (plain
+        decoding on the cores the engine is only trying): left out of every stretch."""
+        if not self.enabled:
+            return
+        self._step += 1
+        if not priced:
+            return
+        if self._to_settle > 0:
+            self._to_settle -= 1
+            return
+        if self._phase == _RUN:
+            self._run_step(wall_s, tokens, batch, drafted)
+            return
+        self._acc.add(wall_s, tokens, batch, drafted)
+        if self._acc.tokens < self._target_tokens or self._acc.steps < self.min_steps:
+            return
+        if self._phase == _TRIAL:
+            self._trial, self._acc = self._acc, Stretch()
+            self._phase, self._to_settle = _AFTER, self.settle
+        else:
+            self._verdict(self._acc)
+
+    def _run_step(self, wall_s: float, tokens: int, batch: int, drafted: bool) -> None:
+        self._recent.append((wall_s, tokens, batch, drafted))
+        self._since_check += 1
+        self._batch_avg += 0.05 * (batch - self._batch_avg)
+        if self.incumbent == PLAIN and not self._level / 2 <= self._batch_avg <= self._level * 2:
+            self._record("left", None)
+            self.left_on_load += 1
+            self._start_run(AUTO, self.first_after)
+            return
+        if self._since_check >= self._interval:
+            self._maybe_start_trial()
+
+    def _maybe_start_trial(self) -> None:
+        before = self._tail()
+        if before is None:
+            return                      # not enough of the incumbent yet: ask again next step
+        if before.mean_batch < self.min_batch or (
+                self.incumbent == AUTO and before.drafting < 0.1 * before.steps):
+            self.skipped += 1
+            self._since_check = 0       # nothing to compare at this load: look again later
+            return
+        self.checks += 1
+        self._before, self._acc = before, Stretch()
+        self._target_tokens = round(self.seq_tokens * before.mean_batch)
+        self._phase, self._to_settle = _TRIAL, self.settle
+
+    def _tail(self) -> Stretch | None:
+        """The incumbent's most recent steps, as many as one stretch needs (None: too few)."""
+        s = Stretch()
+        for wall_s, tokens, batch, drafted in reversed(self._recent):
+            s.add(wall_s, tokens, batch, drafted)
+            if s.steps >= self.min_steps and s.tokens >= self.seq_tokens * s.mean_batch:
+                return s
+        return None
+
+    def _verdict(self, after: Stretch) -> None:
+        incumbent_cost = (self._before.cost + after.cost) / 2
+        ratio = self._trial.cost / incumbent_cost
+        challenger = PLAIN if self.incumbent == AUTO else AUTO
+        if ratio < 1.0 - self.margin:
+            self.swaps += 1
+            self._record(challenger, ratio)
+            self._level = self._batch_avg = (self._before.mean_batch + after.mean_batch) / 2
+            self._start_run(challenger, self.first_after)
+        else:
+            self._record(self.incumbent, ratio)
+            self._start_run(self.incumbent, min(self._interval * 2, self.max_interval), settle=False)
+
+    def _start_run(self, incumbent: str, interval: int, settle: bool = True) -> None:
+        self.incumbent, self._phase, self._interval = incumbent, _RUN, interval
+        self._since_check = 0
+        self._recent.clear()
+        self._to_settle = self.settle if settle else 0
+
+    def _record(self, kept: str, ratio: float | None) -> None:
+        self.verdicts.append({"step": self._step, "kept": kept,
+                              "challenger_over_incumbent": None if ratio is None else round(ratio, 4),
+                              "batch": round(self._batch_avg, 1)})
+
+    def summary(self) -> dict:
+        """The counters and the last verdict (small enough for a log line)."""
+        return {"enabled": self.enabled, "incumbent": self.incumbent, "checks": self.checks,
+                "swaps": self.swaps, "skipped": self.skipped, "left_on_load": self.left_on_load,
+                "last_verdict": self.verdicts[-1] if self.verdicts else None}
+
+    def stats(self) -> dict:
+        """:meth:`summary` with the last ``max_verdicts`` verdicts, oldest first."""
+        return self.summary() | {"verdicts": list(self.verdicts)}
