@@ -76,7 +76,8 @@ def add_levels_parser(bench_sub) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated; auto@KEY=VALUE[+KEY=VALUE] adds mode auto with those planner "
                         "(or engine) settings, reported against auto repeat by repeat")
-    p.add_argument("--paths", default=",".join(PATHS), help="in-process, server, or both")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help="comma-separated, out of in-process and server (default: both)")
     p.add_argument("--server-client", choices=("perf_analyzer", "python"), default="perf_analyzer",
                    help="who loads the server: perf_analyzer (C++) or gRPC streams from this process")
     p.add_argument("--pa-window-s", type=float, default=4.0,

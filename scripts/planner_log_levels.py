@@ -8,8 +8,9 @@ confidence bound uses), in the arms' order (`arms`).
     .venv/bin/python scripts/planner_log_levels.py --log PATH [bench levels arguments]
 
 e.g. ``--log /tmp/c1.json --configs auto --paths in-process --concurrency 1 --repeats 1``. The
-log covers the engine's whole life (the warm-ups included), in order; ``per_context`` is the
-planner's own summary at the end.
+log covers the engine's whole life (the warm-ups included), in order; ``per_context`` (and
+``policy_check``) are the planner's own record at the end. With several configurations of mode
+auto (``auto,auto@KEY=VALUE``) each writes its own file, PATH with ``.NAME`` before the suffix.
 
 Through the server (``--paths server``) the engine runs in tritonserver's process, out of this
 one's reach step by step: what its planner wrote at unload (``Planner.stats()``: its counters,
@@ -62,18 +63,24 @@ def main() -> int:
 
     def build_logged(bench_args, names):
         engines = build(bench_args, names)
+        planned = [name for name, (engine, _) in engines.items() if engine.planner is not None]
         for name, (engine, _) in engines.items():
             if engine.planner is None:
                 continue
             log = logs[name] = []
             logged(engine.planner, log)
             close = engine.close
+            # one planner: PATH; several (auto beside its variants): PATH with .NAME before the suffix
+            path = Path(args.log)
+            if len(planned) > 1:
+                path = path.with_name(f"{path.stem}.{name}{path.suffix}")
 
-            def close_and_write(close=close, engine=engine, name=name, log=log):
-                Path(args.log).write_text(json.dumps({
+            def close_and_write(close=close, engine=engine, name=name, log=log, path=path):
+                stats = engine.planner.stats()
+                path.write_text(json.dumps({
                     "config": name, "arms": [str(a) for a in engine.planner.arms],
-                    "per_context": engine.planner.stats()["per_context"], "log": log},
-                    default=str) + "\n")
+                    "per_context": stats["per_context"], "policy_check": stats["policy_check"],
+                    "log": log}, default=str) + "\n")
                 close()
             engine.close = close_and_write
         return engines
