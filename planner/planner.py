@@ -35,6 +35,7 @@ The parts it composes, one concept each:
 * :mod:`planner.cost_model` — AR / SD / PSD throughput from measured forward costs
 * :mod:`planner.serving_cost` — the serving path's cost per step and per response, measured
 * :mod:`planner.pruning` — the arms set aside while requests wait, and what brings them back
+* :mod:`planner.policy_check` — plain decoding against the bandit's choice over whole stretches
 * :mod:`planner.signals` — ``LoadSignals`` and where they come from
 * :mod:`planner.timeline` — the bounded record of decisions
 
@@ -224,8 +225,9 @@ class Planner:
         """The arms allowed this step: None (all); plain decoding only while the drafter's
         memory serves, or is about to serve, as KV cache; no batch-parallel arm with a single
         running sequence (the engine runs it as sequential SD, so the arm would never be
-        scored and, untried, it would be picked again and again); under sustained pressure,
-        not the arms the data never ranks first in this bin (:mod:`planner.pruning`)."""
+        scored and, untried, it would be picked again and again); plain decoding only while the
+        policy check holds it or tries it (:mod:`planner.policy_check`); under sustained
+        pressure, not the arms the data never ranks first in this bin (:mod:`planner.pruning`)."""
         if self._memory.hold(s, now, self.steps):
             if self._memory.probing:
                 # plain decoding to measure, not chosen: its run does not count as the bandit's
