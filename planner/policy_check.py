@@ -25,7 +25,7 @@ there so that a load that moves during the check moves both sides of the ratio.
 * The first check comes ``first_after`` steps after the start (or a swap); each time the
   incumbent holds, the next comes twice as many steps later, up to ``max_interval``: a policy
   that keeps winning is checked ever more rarely, and so costs ever less.
-* No check while auto already decodes plainly (under a tenth of its stretch drafted): there is
+* No check while auto already decodes plainly (under a tenth of its stretch's steps speculative): there is
   nothing to compare.
 * Held plain decoding gives way to the bandit as soon as the batch moves a factor 2 from where the
   verdict was taken: at another load the bandit's bins decide again, from the next check on.
@@ -41,19 +41,19 @@ _RUN, _TRIAL, _AFTER = "run", "trial", "after"
 
 @dataclass
 class Stretch:
-    """Steps summed: busy wall time, tokens committed, steps, running sequences, drafting steps."""
+    """Steps summed: busy wall time, tokens committed, steps, running sequences, speculative steps."""
     wall_s: float = 0.0
     tokens: int = 0
     steps: int = 0
     batch_sum: int = 0
-    drafting: int = 0
+    speculative: int = 0
 
-    def add(self, wall_s: float, tokens: int, batch: int, drafted: bool) -> None:
+    def add(self, wall_s: float, tokens: int, batch: int, speculative: bool) -> None:
         self.wall_s += wall_s
         self.tokens += tokens
         self.steps += 1
         self.batch_sum += batch
-        self.drafting += bool(drafted)
+        self.speculative += bool(speculative)
 
     @property
     def cost(self) -> float:
@@ -82,7 +82,7 @@ class PolicyCheck:
         self._interval = self.first_after
         self._since_check = 0          # steps of the incumbent's run since the last check
         self._to_settle = 0            # steps of the current phase still left out
-        self._recent: deque = deque(maxlen=2048)   # the incumbent's run: (wall, tokens, batch, drafted)
+        self._recent: deque = deque(maxlen=2048)   # the incumbent's run: (wall, tokens, batch, speculative)
         self._before: Stretch | None = None
         self._trial: Stretch | None = None
         self._acc = Stretch()
@@ -111,10 +111,10 @@ class PolicyCheck:
 
     # ------------------------------------------------------------------ what it is told
 
-    def observe(self, wall_s: float, tokens: int, batch: int, drafted: bool,
+    def observe(self, wall_s: float, tokens: int, batch: int, speculative: bool,
                 priced: bool = True) -> None:
         """One step: its busy wall time, the tokens it committed, the sequences it ran, whether
-        it drafted; `priced` false for a step that is not its policy as it will run (plain
+        it speculated (drafter or n-gram drafts); `priced` false for a step that is not its policy as it will run (plain
         decoding on the cores the engine is only trying): left out of every stretch."""
         if not self.enabled:
             return
@@ -125,9 +125,9 @@ class PolicyCheck:
             self._to_settle -= 1
             return
         if self._phase == _RUN:
-            self._run_step(wall_s, tokens, batch, drafted)
+            self._run_step(wall_s, tokens, batch, speculative)
             return
-        self._acc.add(wall_s, tokens, batch, drafted)
+        self._acc.add(wall_s, tokens, batch, speculative)
         if self._acc.tokens < self._target_tokens or self._acc.steps < self.min_steps:
             return
         if self._phase == _TRIAL:
@@ -136,8 +136,8 @@ class PolicyCheck:
         else:
             self._verdict(self._acc)
 
-    def _run_step(self, wall_s: float, tokens: int, batch: int, drafted: bool) -> None:
-        self._recent.append((wall_s, tokens, batch, drafted))
+    def _run_step(self, wall_s: float, tokens: int, batch: int, speculative: bool) -> None:
+        self._recent.append((wall_s, tokens, batch, speculative))
         self._since_check += 1
         self._batch_avg += 0.05 * (batch - self._batch_avg)
         if self.incumbent == PLAIN and not self._level / 2 <= self._batch_avg <= self._level * 2:
@@ -153,7 +153,7 @@ class PolicyCheck:
         if before is None:
             return                      # not enough of the incumbent yet: ask again next step
         if before.mean_batch < self.min_batch or (
-                self.incumbent == AUTO and before.drafting < 0.1 * before.steps):
+                self.incumbent == AUTO and before.speculative < 0.1 * before.steps):
             self.skipped += 1
             self._since_check = 0       # nothing to compare at this load: look again later
             return
@@ -165,8 +165,8 @@ class PolicyCheck:
     def _tail(self) -> Stretch | None:
         """The incumbent's most recent steps, as many as one stretch needs (None: too few)."""
         s = Stretch()
-        for wall_s, tokens, batch, drafted in reversed(self._recent):
-            s.add(wall_s, tokens, batch, drafted)
+        for wall_s, tokens, batch, speculative in reversed(self._recent):
+            s.add(wall_s, tokens, batch, speculative)
             if s.steps >= self.min_steps and s.tokens >= self.seq_tokens * s.mean_batch:
                 return s
         return None

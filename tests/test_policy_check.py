@@ -118,7 +118,7 @@ def test_the_checks_come_twice_as_far_apart_each_time_the_incumbent_holds():
             trial_starts.append(step)
         was_plain = plain
         # a step of 16 ms either way: plain decoding commits 16 tokens, speculation 32
-        pc.observe(wall_s=16e-3, tokens=16 if plain else 32, batch=16, drafted=not plain)
+        pc.observe(wall_s=16e-3, tokens=16 if plain else 32, batch=16, speculative=not plain)
     assert pc.swaps == 0 and pc.incumbent == AUTO
     # a trial and the stretch after it take 2 x (settle 2 + 4 steps) = 12 steps; the incumbent
     # then runs 100, 200, 400, 400 ... steps before the next
@@ -131,12 +131,12 @@ def test_no_check_below_the_batch_it_is_for_or_while_auto_already_decodes_plainl
     small = PolicyCheck(first_after=10, min_batch=8)
     for _ in range(500):
         assert not small.plain_only()
-        small.observe(wall_s=1e-3, tokens=8, batch=4, drafted=True)
+        small.observe(wall_s=1e-3, tokens=8, batch=4, speculative=True)
     assert small.checks == 0 and small.skipped > 0
     plain = PolicyCheck(first_after=10)
     for _ in range(500):
         assert not plain.plain_only()
-        plain.observe(wall_s=1e-3, tokens=16, batch=16, drafted=False)
+        plain.observe(wall_s=1e-3, tokens=16, batch=16, speculative=False)
     assert plain.checks == 0 and plain.skipped > 0
 
 
@@ -156,7 +156,7 @@ def test_plain_steps_on_cores_the_engine_is_only_trying_are_left_out_of_the_stre
             plain = pc.plain_only()
             trying = plain and step % 3 == 0      # the lending choice's other side, now and then
             pc.observe(wall_s=trying_wall_s if trying else 16e-3, tokens=16 if plain else 32,
-                       batch=16, drafted=not plain, priced=not trying)
+                       batch=16, speculative=not plain, priced=not trying)
             step += 1
         return pc.verdicts[0]["challenger_over_incumbent"]
 
