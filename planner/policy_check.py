@@ -20,13 +20,13 @@ there so that a load that moves during the check moves both sides of the ratio.
 
 * Each stretch leaves out its first ``settle`` steps (the switch's transient: the turn-off, the
   drafter's catch-up, the pipeline's fill) and any plain step on the cores the engine is only
-  trying (its lending choice: not plain decoding as it will run), and lasts at least ``seq_tokens`` tokens per running
-  sequence and ``min_steps`` steps.
+  trying (its lending choice: not plain decoding as it will run), and lasts at least
+  ``seq_tokens`` tokens per running sequence and ``min_steps`` steps.
 * The first check comes ``first_after`` steps after the start (or a swap); each time the
   incumbent holds, the next comes twice as many steps later, up to ``max_interval``: a policy
   that keeps winning is checked ever more rarely, and so costs ever less.
-* No check while auto already decodes plainly (under a tenth of its stretch's steps speculative): there is
-  nothing to compare.
+* No check while auto already decodes plainly (under a tenth of its stretch's steps
+  speculative): there is nothing to compare.
 * Held plain decoding gives way to the bandit as soon as the batch moves a factor 2 from where the
   verdict was taken: at another load the bandit's bins decide again, from the next check on.
 """
@@ -114,8 +114,9 @@ class PolicyCheck:
     def observe(self, wall_s: float, tokens: int, batch: int, speculative: bool,
                 priced: bool = True) -> None:
         """One step: its busy wall time, the tokens it committed, the sequences it ran, whether
-        it speculated (drafter or n-gram drafts); `priced` false for a step that is not its policy as it will run (plain
-        decoding on the cores the engine is only trying): left out of every stretch."""
+        it speculated (drafter or n-gram drafts); `priced` false for a step that is not its
+        policy as it will run (plain decoding on the cores the engine is only trying): left out
+        of every stretch."""
         if not self.enabled:
             return
         self._step += 1
