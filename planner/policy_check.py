@@ -9,8 +9,8 @@ nearly all of them at 16; in the bin of 8-15 plain decoding is seen only on its 
 steps and looks dear there, while over the stretch it served a quarter more tokens a second
 (`benchmarks/results/centred-bins/`, `benchmarks/results/batch-15/`).
 
-So :class:`PolicyCheck` compares two policies, the bandit's choice ("auto") and plain decoding
-alone ("plain"), the way a user meets them. One of them is the incumbent (auto, to begin
+So :class:`PolicyCheck` compares two policies, the bandit's choice ("bandit") and plain decoding
+alone ("plain"), the way a user meets them. One of them is the incumbent (the bandit, to begin
 with). Every so often, while the batch is at least ``min_batch``, the other runs for a stretch
 (the challenger's trial), between a stretch of the incumbent before it and one after it; the
 cost of each stretch is its steps' busy wall time (forwards, prompts, the serving path: each
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-AUTO, PLAIN = "auto", "plain"
+BANDIT, PLAIN = "bandit", "plain"
 _RUN, _TRIAL, _AFTER = "run", "trial", "after"
 
 
@@ -77,7 +77,7 @@ class PolicyCheck:
         self.seq_tokens = int(seq_tokens)
         self.min_steps = int(min_steps)
         self.settle = int(settle)
-        self.incumbent = AUTO
+        self.incumbent = BANDIT
         self._phase = _RUN
         self._interval = self.first_after
         self._since_check = 0          # steps of the incumbent's run since the last check
@@ -144,7 +144,7 @@ class PolicyCheck:
         if self.incumbent == PLAIN and not self._level / 2 <= self._batch_avg <= self._level * 2:
             self._record("left", None)
             self.left_on_load += 1
-            self._start_run(AUTO, self.first_after)
+            self._start_run(BANDIT, self.first_after)
             return
         if self._since_check >= self._interval:
             self._maybe_start_trial()
@@ -154,7 +154,7 @@ class PolicyCheck:
         if before is None:
             return                      # not enough of the incumbent yet: ask again next step
         if before.mean_batch < self.min_batch or (
-                self.incumbent == AUTO and before.speculative < 0.1 * before.steps):
+                self.incumbent == BANDIT and before.speculative < 0.1 * before.steps):
             self.skipped += 1
             self._since_check = 0       # nothing to compare at this load: look again later
             return
@@ -175,7 +175,7 @@ class PolicyCheck:
     def _verdict(self, after: Stretch) -> None:
         incumbent_cost = (self._before.cost + after.cost) / 2
         ratio = self._trial.cost / incumbent_cost
-        challenger = PLAIN if self.incumbent == AUTO else AUTO
+        challenger = PLAIN if self.incumbent == BANDIT else BANDIT
         if ratio < 1.0 - self.margin:
             self.swaps += 1
             self._record(challenger, ratio)

@@ -6,7 +6,7 @@ import pytest
 
 from planner import LoadSignals, Planner, StepOutcome
 from planner.config import PlannerConfig
-from planner.policy_check import AUTO, PLAIN, PolicyCheck
+from planner.policy_check import BANDIT, PLAIN, PolicyCheck
 
 
 class TurnoverServer:
@@ -85,7 +85,7 @@ def test_where_speculation_wins_over_the_stretch_too_plain_trials_do_not_take_ov
     sim = TurnoverServer(planner(True, seed), SPECULATION_PAYS, seed=seed)
     sim.run(3000)
     check = sim.p.stats()["policy_check"]
-    assert check["incumbent"] == AUTO and check["swaps"] == 0
+    assert check["incumbent"] == BANDIT and check["swaps"] == 0
     assert check["checks"] >= 2
     # plain decoding measured dearer every time (0.7 / 0.5 a step), and its trials, ever further
     # apart, cost the run little
@@ -105,7 +105,7 @@ def test_held_plain_decoding_gives_way_to_the_bandit_when_the_batch_moves():
     sim.forced_batch = 2          # another load: two requests left
     sim.run(300)
     check = sim.p.summary()["policy_check"]
-    assert check["incumbent"] == AUTO and check["left_on_load"] == 1
+    assert check["incumbent"] == BANDIT and check["left_on_load"] == 1
     assert sim.plain_share(100) < 0.2      # at batch 2 speculation pays, and the bandit plays it
 
 
@@ -119,7 +119,7 @@ def test_the_checks_come_twice_as_far_apart_each_time_the_incumbent_holds():
         was_plain = plain
         # a step of 16 ms either way: plain decoding commits 16 tokens, speculation 32
         pc.observe(wall_s=16e-3, tokens=16 if plain else 32, batch=16, speculative=not plain)
-    assert pc.swaps == 0 and pc.incumbent == AUTO
+    assert pc.swaps == 0 and pc.incumbent == BANDIT
     # a trial and the stretch after it take 2 x (settle 2 + 4 steps) = 12 steps; the incumbent
     # then runs 100, 200, 400, 400 ... steps before the next
     gaps = list(np.diff(trial_starts))
@@ -144,7 +144,7 @@ def test_a_planner_without_the_check_never_restricts_for_it():
     sim = TurnoverServer(planner(False), LOCKSTEP_PAYS)
     sim.run(600)
     check = sim.p.summary()["policy_check"]
-    assert check == {"enabled": False, "incumbent": AUTO, "checks": 0, "swaps": 0, "skipped": 0,
+    assert check == {"enabled": False, "incumbent": BANDIT, "checks": 0, "swaps": 0, "skipped": 0,
                      "left_on_load": 0, "last_verdict": None}
 
 
