@@ -199,8 +199,8 @@ class Planner:
         counts and notes it). None, with nothing changed, when the batch has left the bin: the
         caller then decides on a snapshot."""
         lo, hi = self._steady_bin
-        if not lo <= batch_size <= hi:
-            return None
+        if not lo <= batch_size <= hi or self._policy.plain_only() != self._policy_plain:
+            return None         # (the policy check moved: the arms allowed are not those held)
         self.steps += 1
         self.held_steps += 1
         self._batch = batch_size

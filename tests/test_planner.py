@@ -942,16 +942,19 @@ def test_memory_aware_offload_holds_ar_under_pressure_and_reloads_after():
     assert eng.offloads == 1                  # no bouncing
 
 
-@pytest.mark.parametrize("psd_available", [False, True])
-def test_steady_blocks_held_without_a_snapshot_decide_exactly_as_every_step_decided(psd_available):
+@pytest.mark.parametrize("psd_available, policy_check", [(False, False), (True, False), (False, True)])
+def test_steady_blocks_held_without_a_snapshot_decide_exactly_as_every_step_decided(psd_available,
+                                                                                     policy_check):
     # Two planners, one deciding every step and one skipping the snapshot on the steps
     # Planner.steady grants (the engine's controller does so): through speculation, plain
     # decoding with the batch moving inside its bin, memory pressure with an offload, its
     # reload, plain decoding again while the pressure level decays and the batch crosses a
     # bin's edge, and speculation at a batch that moves, their decisions, offloads and every
-    # statistic are the same, and the second held most of its steps in both plain phases.
+    # statistic are the same, and the second held most of its steps in both plain phases. With
+    # the policy check on, a held plain decoding it gives up mid-block ends the held steps too.
     def run(steady):
-        p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05),
+        p = Planner(PlannerConfig(offload_after_steps=20, offload_after_s=0.0, reload_after_s=0.05,
+                                  policy_check=policy_check),
                     gamma_max=4, psd_available=psd_available, seed=0)
         eng = KVBoundEngine(p, base=128, steady=steady)
         load = ([2] * 200 + [80, 90, 85] * 200 + [200] * 400 + [2] * 300 + [60, 60, 60, 70] * 150
