@@ -196,11 +196,12 @@ class Planner:
         the steps :meth:`steady` granted, with `batch_size` sequences running: what
         :meth:`decide` would return (the bandit's block goes on, the pressure level decays as a
         step without pressure decays it, the step is counted and noted as :meth:`decide`
-        counts and notes it). None, with nothing changed, when the batch has left the bin: the
-        caller then decides on a snapshot."""
+        counts and notes it). None, with nothing changed, when the batch has left the bin or the
+        policy check has taken up or given up plain decoding since: the caller then decides on
+        a snapshot."""
         lo, hi = self._steady_bin
         if not lo <= batch_size <= hi or self._policy.plain_only() != self._policy_plain:
-            return None         # (the policy check moved: the arms allowed are not those held)
+            return None
         self.steps += 1
         self.held_steps += 1
         self._batch = batch_size
