@@ -273,8 +273,9 @@ class Planner:
         The n-gram match counts (whatever ran) are the n-gram arms' prior."""
         o = outcome
         decision = o.ran if o.ran is not None else issued
-        self._policy.observe(max(o.step_wall_s - o.memory_s, 0.0), o.tokens_committed, o.batch_size,
-                             decision.speculative, priced=not o.trying_cores)
+        if self._policy.enabled:
+            self._policy.observe(max(o.step_wall_s - o.memory_s, 0.0), o.tokens_committed,
+                                 o.batch_size, decision.speculative, priced=not o.trying_cores)
         self._ngram_matches.observe(o.ngram_matched, o.ngram_compared)
         if o.drafter_reload_s > 0:
             self._switch.observe_reload(o.drafter_reload_s)

@@ -140,9 +140,11 @@ def test_no_check_below_the_batch_it_is_for_or_while_auto_already_decodes_plainl
     assert plain.checks == 0 and plain.skipped > 0
 
 
-def test_a_planner_without_the_check_never_restricts_for_it():
+def test_a_planner_without_the_check_reports_it_idle_and_plays_as_the_bandit_alone():
     sim = TurnoverServer(planner(False), LOCKSTEP_PAYS)
     sim.run(600)
+    # on this server a check would have held plain decoding by now (the test above)
+    assert sim.plain_share(300) < 0.2
     check = sim.p.summary()["policy_check"]
     assert check == {"enabled": False, "incumbent": BANDIT, "checks": 0, "swaps": 0, "skipped": 0,
                      "left_on_load": 0, "last_verdict": None}
