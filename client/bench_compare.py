@@ -80,18 +80,18 @@ def _apply(p: Placement) -> None:
     torch.set_num_threads(p.threads)
 
 
-def planner_variant(name: str) -> dict | None:
-    """The settings of a configuration named ``auto@KEY=VALUE+KEY=VALUE`` (mode auto with those
-    planner or engine settings, e.g. ``auto@plain_settle_steps=3+prune=false``: `split_variant`;
-    each VALUE is read as JSON, else taken as a string), None for any other name. The settings
-    are checked where the engine's config is: an unknown key or a wrong type fails before
-    anything loads."""
+def planner_variant(name: str, bases: tuple[str, ...] = ("auto",)) -> dict | None:
+    """The settings of a configuration named ``BASE@KEY=VALUE+KEY=VALUE`` (the configuration
+    BASE, one of `bases`, with those planner or engine settings, e.g.
+    ``auto@plain_settle_steps=3+prune=false``: `split_variant`; each VALUE is read as JSON, else
+    taken as a string), None for any other name. The settings are checked where the engine's
+    config is: an unknown key or a wrong type fails before anything loads."""
     base, at, spec = name.partition("@")
-    if base != "auto" or not at:
+    if base not in bases or not at:
         return None
     pairs = [item.split("=", 1) for item in spec.split("+")]
     if not spec or any(len(p) != 2 or not p[0] for p in pairs):
-        raise ValueError(f"config {name!r}: expected auto@KEY=VALUE[+KEY=VALUE...]")
+        raise ValueError(f"config {name!r}: expected {base}@KEY=VALUE[+KEY=VALUE...]")
     settings = {}
     for key, text in pairs:
         try:

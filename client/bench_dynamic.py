@@ -12,6 +12,10 @@ each configuration:
   psd                  batch-parallel SD, fixed gamma
   adaptive             mode "auto": the planner picks mode and gamma, and may offload the drafter
   adaptive_no_offload  the same planner, never offloading
+  adaptive@KEY=VALUE[+KEY=VALUE]
+                       adaptive (or adaptive_no_offload@...) with those planner or engine
+                       settings, e.g. ``adaptive@policy_check=true``: a planner setting weighed
+                       against the planner without it, on the same arrivals
 
 Placement: the target runs one thread on its core; wherever there is a drafter it runs in its
 worker on the other core; ``ar_all_cores`` instead gives plain decoding every core (one thread
@@ -42,12 +46,14 @@ from pathlib import Path
 import torch
 
 from client import dynamic_report as report_mod
+from client.bench_compare import planner_variant, split_variant
 from client.bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
 from client.dynamic_report import Record, RunResult, Targets
 from client.load_shapes import SHAPES, Arrival, schedule
 from client.prompts import load_prompts
 
 CONFIGS = ("ar", "ar_all_cores", "sd", "psd", "adaptive", "adaptive_no_offload")
+ADAPTIVE_BASES = ("adaptive", "adaptive_no_offload")
 BASE_PHASE_S = 20.0
 TIMELINE_EVERY_S = 0.25     # the timeline records every change of mode, and samples the queue
 
@@ -92,6 +98,11 @@ def add_dynamic_parser(bench_sub) -> None:
 def engine_config(name: str, args, cores: list[int]) -> dict:
     """The engine configuration of one benchmark configuration (also the server's engine.json);
     `cores`: the machine's, all of which ``ar_all_cores`` takes."""
+    variant = planner_variant(name, ADAPTIVE_BASES)
+    if variant is not None:
+        cfg = engine_config(name.partition("@")[0], args, cores)
+        engine_keys, planner_keys = split_variant(variant)
+        return cfg | engine_keys | {"planner": cfg.get("planner", {}) | planner_keys}
     from backend.model.kv_cache import PagedKVCache
     from backend.model.config import ModelConfig
 
@@ -110,7 +121,19 @@ def engine_config(name: str, args, cores: list[int]) -> dict:
         planner = json.loads(args.planner) if args.planner else {}
         return cfg | {"mode": "auto", "gamma": args.gamma, "offload": name == "adaptive",
                       **({"planner": planner} if planner else {})}
-    raise ValueError(f"unknown config {name!r}; choose from {CONFIGS}")
+    raise ValueError(f"unknown config {name!r}; choose from {CONFIGS} or adaptive@KEY=VALUE[+KEY=VALUE]")
+
+
+def check_variants(names: list[str], args) -> None:
+    """Every ``adaptive@...`` configuration's settings, checked before any run: an unknown key or
+    a wrong type fails now, not after the first configurations have run."""
+    from backend.engine.config import EngineConfig
+    for n in names:
+        if planner_variant(n, ADAPTIVE_BASES) is not None:
+            try:
+                EngineConfig(**engine_config(n, args, [0]))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"config {n!r}: {e}") from e
 
 
 def make_engine(name: str, args, cores: list[int]):
@@ -226,13 +249,14 @@ def default_targets(capacity_req_s: float, args) -> Targets:
 
 def run_dynamic_cli(args) -> int:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and planner_variant(n, ADAPTIVE_BASES) is None]
     if unknown:
-        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS}")
+        raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS} or adaptive@KEY=VALUE[+KEY=VALUE]")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
     if args.planner:
         json.loads(args.planner)       # fail now, not after the first runs
+    check_variants(names, args)
     prompts = load_prompts(args.prompts)
     cores = sorted(os.sched_getaffinity(0))
     if not args.server:

@@ -24,6 +24,12 @@ FIXED = ("ar", "ar_all_cores", "sd", "psd")
 ADAPTIVE = ("adaptive", "adaptive_no_offload")
 
 
+def adaptive_names(configs) -> list[str]:
+    """The planner's configurations among `configs`: adaptive, adaptive_no_offload and their
+    ``@KEY=VALUE`` variants (`client.bench_dynamic`), in their order."""
+    return [n for n in configs if n.partition("@")[0] in ADAPTIVE]
+
+
 @dataclass(frozen=True)
 class Targets:
     """Latency objectives a request must meet for its tokens to count as goodput."""
@@ -166,8 +172,8 @@ def regret(configs: dict, n_phases: int) -> dict:
     phase (throughput: higher is better, latencies: lower), overall against each."""
     fixed = [n for n in FIXED if n in configs]
     out = {}
-    for name in ADAPTIVE:
-        if name not in configs or not fixed:
+    for name in adaptive_names(configs):
+        if not fixed:
             continue
         rows = []
         for i in range(n_phases):
@@ -249,7 +255,7 @@ def format_table(report: dict) -> str:
             f"{n}: tok/s x{v['throughput_tok_s']:.2f} e2e x{v['e2e_mean_s']:.2f}"
             for n, v in r["overall_vs"].items() if v["throughput_tok_s"] and v["e2e_mean_s"]))
     g = goals(report)
-    for name in ADAPTIVE:
+    for name in adaptive_names(report["configs"]):
         if name in g:
             x = g[name]
             lines.append(f"goals, {name}: goodput x{_fmt(x['goodput_vs_best_fixed'])} the best fixed "
@@ -293,9 +299,10 @@ def draw(report: dict, path: str) -> None:
     if plt is None:
         return
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 8.5), sharex=False)
-    colours = {"adaptive": "tab:red", "adaptive_no_offload": "tab:blue"}
-    for name in ADAPTIVE:
-        tl = report["configs"].get(name, {}).get("timeline", [])
+    palette = ["tab:red", "tab:blue", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"]
+    colours = {n: palette[k % len(palette)] for k, n in enumerate(adaptive_names(report["configs"]))}
+    for name in colours:
+        tl = report["configs"][name].get("timeline", [])
         if not tl:
             continue
         xs = [e["t"] for e in tl]

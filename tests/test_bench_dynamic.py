@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from client.dynamic_report import (Record, RunResult, Targets, format_table, goals, median_summary, mode_shares,
+from client.dynamic_report import (METRICS, Record, RunResult, Targets, format_table, goals, median_summary, mode_shares,
                                    noise, regret, summarise)
 from client.load_shapes import SHAPES, phases, schedule
 
@@ -200,8 +200,14 @@ def _check_report(report, names, n_phases=3):
 
 @pytest.mark.slow
 def test_bench_dynamic_in_process(tmp_path):
-    report, out = _run_cli(tmp_path, "--configs", "ar,adaptive", "--repeats", "2", "--shape", "mixed")
-    _check_report(report, ["ar", "adaptive"], n_phases=2)
+    names = ["ar", "adaptive", "adaptive@policy_check=true"]
+    report, out = _run_cli(tmp_path, "--configs", ",".join(names), "--repeats", "2", "--shape", "mixed")
+    _check_report(report, names, n_phases=2)
+    # the variant ran with its setting, adaptive without it, and both are weighed against the fixed
+    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive@policy_check=true"]
+            ["planner_summaries"]] == [True, True]
+    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive"]["planner_summaries"]] == [False] * 2
+    assert set(report["regret"]) == {"adaptive", "adaptive@policy_check=true"}
     assert report["shape"] == "mixed" and {"ttft_s", "tpot_s"} == set(report["targets"])
     assert sum(report["configs"]["adaptive"]["overall"]["mode_shares"].values()) == pytest.approx(1.0)
     assert "adaptive" in report["goals"]
@@ -248,6 +254,39 @@ def test_plain_decoding_on_every_core_is_a_fixed_baseline(tmp_path):
     r = regret(configs, 1)["adaptive"]
     assert r["goodput_vs_best_fixed"] == {"best_fixed": "ar_all_cores", "ratio": pytest.approx(0.9)}
     assert r["per_phase"][0]["goodput_tok_s"]["best_fixed"] == "ar_all_cores"
+
+
+def test_an_adaptive_variant_carries_its_settings_and_is_weighed_like_adaptive_never_as_a_fixed_baseline():
+    import argparse
+    import subprocess
+    import sys
+    from client.bench_dynamic import engine_config
+    from model_factory import TINY_DRAFTER, TINY_TARGET
+    args = argparse.Namespace(target=str(TINY_TARGET), drafter=str(TINY_DRAFTER), kv_blocks=64, seed=0,
+                              gamma=3, gamma_max=4, planner='{"prune": false}')
+    base = engine_config("adaptive", args, [0, 1])
+    cfg = engine_config("adaptive@policy_check=true+lend_drafter_cores=false", args, [0, 1])
+    assert cfg == base | {"lend_drafter_cores": False, "planner": {"prune": False, "policy_check": True}}
+    no_offload = engine_config("adaptive_no_offload@policy_check=true", args, [0, 1])
+    assert no_offload["offload"] is False and no_offload["planner"]["policy_check"] is True
+    with pytest.raises(ValueError, match="unknown config"):
+        engine_config("sd@policy_check=true", args, [0, 1])
+
+    def cfg_with(goodput):
+        phase = dict.fromkeys(METRICS, 1.0) | {"throughput_tok_s": goodput, "goodput_tok_s": goodput}
+        return {"phases": [phase], "overall": dict(phase)}
+    configs = {"sd": cfg_with(60.0), "adaptive": cfg_with(54.0), "adaptive@policy_check=true": cfg_with(90.0)}
+    report = {"configs": configs, "regret": regret(configs, 1), "phases": [{"name": "high"}]}
+    g = goals(report)
+    # the variant is above sd, yet sd stays adaptive's best fixed configuration
+    assert g["adaptive"]["goodput_vs_best_fixed"] == pytest.approx(0.9)
+    assert g["adaptive@policy_check=true"]["goodput_vs_best_fixed"] == pytest.approx(1.5)
+    assert "goals, adaptive@policy_check=true: goodput x1.50" in format_table(report)
+    # a bad setting fails before any capacity probe or run
+    for bad, why in (("adaptive@no_such_setting=1", "unknown setting"), ("adaptive@prune=3", "prune: must be true")):
+        out = subprocess.run([sys.executable, "-m", "client.cli", "bench", "dynamic", "--configs", f"ar,{bad}",
+                              "--json", "/dev/null"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and why in out.stderr and "capacity" not in out.stderr, out.stderr[-2000:]
 
 
 def test_a_server_started_from_a_pinned_thread_runs_on_the_cores_it_is_given(tmp_path, tritonserver_runnable):
