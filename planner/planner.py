@@ -229,6 +229,7 @@ class Planner:
         scored and, untried, it would be picked again and again); plain decoding only while the
         policy check holds it or tries it (:mod:`planner.policy_check`); under sustained
         pressure, not the arms the data never ranks first in this bin (:mod:`planner.pruning`)."""
+        self._policy.note_queue(s.queued > 0)     # it stands aside while requests queue
         if self._memory.hold(s, now, self.steps):
             if self._memory.probing:
                 # plain decoding to measure, not chosen: its run does not count as the bandit's

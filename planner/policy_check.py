@@ -29,6 +29,15 @@ there so that a load that moves during the check moves both sides of the ratio.
   speculative): there is nothing to compare.
 * Held plain decoding gives way to the bandit as soon as the batch moves a factor 2 from where the
   verdict was taken: at another load the bandit's bins decide again, from the next check on.
+* Nothing while requests queue (admission has turned some away, :meth:`note_queue`): no check
+  starts, a check under way is dropped and held plain decoding gives way to the bandit. A
+  stretch's cost a token is what a closed loop of requests meets; under a queue a user meets the
+  queue's wait, and the load moves under the check (the batch grows as the queue is admitted,
+  and a stretch's cost a token falls with its batch, so a challenger run while it rises looks
+  cheap). Holding plain decoding there is the planner's known failure, settling on plain
+  decoding under a queue: through the server under mixed load the check without this rule
+  swapped to plain decoding as the high phase began and held it, and the run's goodput fell to
+  0.68x the planner's without the check (`benchmarks/results/policy-check/`).
 """
 from __future__ import annotations
 
@@ -89,7 +98,8 @@ class PolicyCheck:
         self._target_tokens = 0
         self._level = 0.0              # the batch the last verdict for plain decoding was taken at
         self._batch_avg = 0.0
-        self.checks = self.swaps = self.skipped = self.left_on_load = 0
+        self.checks = self.swaps = self.skipped = self.left_on_load = self.left_on_queue = 0
+        self._queued = False
         self.verdicts: deque = deque(maxlen=max_verdicts)
         self._step = 0
 
@@ -110,6 +120,17 @@ class PolicyCheck:
         return max(self._interval - self._since_check, 0)
 
     # ------------------------------------------------------------------ what it is told
+
+    def note_queue(self, queued: bool) -> None:
+        """Whether requests queue now (admission has turned some away): while they do, the
+        check stands aside (the module's docstring)."""
+        if not self.enabled:
+            return
+        self._queued = bool(queued)
+        if self._queued and (self._phase != _RUN or self.incumbent == PLAIN):
+            self._record("queue", None)
+            self.left_on_queue += 1
+            self._start_run(BANDIT, self.first_after if self.incumbent == PLAIN else self._interval)
 
     def observe(self, wall_s: float, tokens: int, batch: int, speculative: bool,
                 priced: bool = True) -> None:
@@ -150,6 +171,10 @@ class PolicyCheck:
             self._maybe_start_trial()
 
     def _maybe_start_trial(self) -> None:
+        if self._queued:
+            self.skipped += 1
+            self._since_check = 0       # requests queue: no check now, look again later
+            return
         before = self._tail()
         if before is None:
             return                      # not enough of the incumbent yet: ask again next step
@@ -200,6 +225,7 @@ class PolicyCheck:
         """The counters and the last verdict (small enough for a log line)."""
         return {"enabled": self.enabled, "incumbent": self.incumbent, "checks": self.checks,
                 "swaps": self.swaps, "skipped": self.skipped, "left_on_load": self.left_on_load,
+                "left_on_queue": self.left_on_queue,
                 "last_verdict": self.verdicts[-1] if self.verdicts else None}
 
     def stats(self) -> dict:

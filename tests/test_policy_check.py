@@ -22,6 +22,7 @@ class TurnoverServer:
         self.plain_run = 0
         self.t = 0.0
         self.forced_batch: int | None = None
+        self.queued = 0               # requests admission has turned away
         self.log: list[tuple[str, float, int]] = []   # (mode, wall, tokens) a step
 
     def batch(self) -> int:
@@ -31,7 +32,7 @@ class TurnoverServer:
 
     def step(self) -> None:
         b = self.batch()
-        d = self.p.decide(LoadSignals(batch_size=b, now=self.t))
+        d = self.p.decide(LoadSignals(batch_size=b, now=self.t, waiting=self.queued, left_waiting=self.queued))
         mode = "ar" if not d.speculative else "sd"
         tokens = b if mode == "ar" else 2 * b
         wall = tokens * self.costs[mode, b] * (1 + 0.05 * self.rng.standard_normal())
@@ -109,6 +110,42 @@ def test_held_plain_decoding_gives_way_to_the_bandit_when_the_batch_moves():
     assert sim.plain_share(100) < 0.2      # at batch 2 speculation pays, and the bandit plays it
 
 
+def test_while_requests_queue_no_check_runs_and_held_plain_decoding_gives_way_to_the_bandit():
+    # the planner's known failure is settling on plain decoding under a queue: the check must
+    # not hold it there, nor try it, whatever a stretch would say
+    sim = TurnoverServer(planner(True), LOCKSTEP_PAYS)
+    sim.run(1500)
+    assert sim.p.summary()["policy_check"]["incumbent"] == PLAIN
+    checks = sim.p.summary()["policy_check"]["checks"]
+    sim.queued = 5
+    sim.run(1000)
+    check = sim.p.summary()["policy_check"]
+    assert check["incumbent"] == BANDIT and check["left_on_queue"] == 1
+    assert check["last_verdict"]["kept"] == "queue"
+    assert check["checks"] == checks           # 1,000 steps, 96 after the last: none started
+    assert sim.plain_share(500) < 0.2          # the bandit alone, as without the check
+    sim.queued = 0                             # the queue gone, the check takes up again
+    sim.run(1500)
+    assert sim.p.summary()["policy_check"]["incumbent"] == PLAIN
+
+
+def test_a_check_under_way_is_dropped_when_requests_start_to_queue():
+    pc = PolicyCheck(first_after=20, seq_tokens=4, min_steps=4, settle=2)
+    steps = 0
+    while not pc.plain_only():                 # run the bandit until plain decoding's trial
+        pc.observe(wall_s=16e-3, tokens=32, batch=16, speculative=True)
+        steps += 1
+    assert pc.checks == 1 and steps < 100
+    pc.note_queue(True)
+    assert not pc.plain_only()
+    assert pc.left_on_queue == 1 and pc.verdicts[-1]["kept"] == "queue" and pc.swaps == 0
+    for _ in range(500):                       # still queued: nothing more
+        pc.note_queue(True)
+        assert not pc.plain_only()
+        pc.observe(wall_s=16e-3, tokens=32, batch=16, speculative=True)
+    assert pc.checks == 1 and pc.left_on_queue == 1
+
+
 def test_the_checks_come_twice_as_far_apart_each_time_the_incumbent_holds():
     pc = PolicyCheck(first_after=100, max_interval=400, seq_tokens=4, min_steps=4, settle=2)
     trial_starts, was_plain = [], False
@@ -147,7 +184,7 @@ def test_a_planner_without_the_check_reports_it_idle_and_plays_as_the_bandit_alo
     assert sim.plain_share(300) < 0.2
     check = sim.p.summary()["policy_check"]
     assert check == {"enabled": False, "incumbent": BANDIT, "checks": 0, "swaps": 0, "skipped": 0,
-                     "left_on_load": 0, "last_verdict": None}
+                     "left_on_load": 0, "left_on_queue": 0, "last_verdict": None}
 
 
 def test_plain_steps_on_cores_the_engine_is_only_trying_are_left_out_of_the_stretches():
