@@ -201,13 +201,14 @@ class PolicyCheck:
         incumbent_cost = (self._before.cost + after.cost) / 2
         ratio = self._trial.cost / incumbent_cost
         challenger = PLAIN if self.incumbent == BANDIT else BANDIT
+        level = (self._before.mean_batch + after.mean_batch) / 2
         if ratio < 1.0 - self.margin:
             self.swaps += 1
-            self._record(challenger, ratio)
-            self._level = self._batch_avg = (self._before.mean_batch + after.mean_batch) / 2
+            self._record(challenger, ratio, level, self._trial.mean_batch)
+            self._level = self._batch_avg = level
             self._start_run(challenger, self.first_after)
         else:
-            self._record(self.incumbent, ratio)
+            self._record(self.incumbent, ratio, level, self._trial.mean_batch)
             self._start_run(self.incumbent, min(self._interval * 2, self.max_interval), settle=False)
 
     def _start_run(self, incumbent: str, interval: int, settle: bool = True) -> None:
@@ -216,10 +217,15 @@ class PolicyCheck:
         self._recent.clear()
         self._to_settle = self.settle if settle else 0
 
-    def _record(self, kept: str, ratio: float | None) -> None:
+    def _record(self, kept: str, ratio: float | None, batch: float | None = None,
+                trial_batch: float | None = None) -> None:
+        """A verdict: the policy kept (or why the check stood aside: "left", "queue"), the
+        challenger's cost over the incumbent's, and the running batch: the incumbent's stretches'
+        mean and the challenger's (a verdict), else the incumbent's recent average."""
         self.verdicts.append({"step": self._step, "kept": kept,
                               "challenger_over_incumbent": None if ratio is None else round(ratio, 4),
-                              "batch": round(self._batch_avg, 1)})
+                              "batch": round(self._batch_avg if batch is None else batch, 1),
+                              "trial_batch": None if trial_batch is None else round(trial_batch, 1)})
 
     def summary(self) -> dict:
         """The counters and the last verdict (small enough for a log line)."""

@@ -77,6 +77,9 @@ def test_plain_decoding_that_wins_over_a_stretch_is_held_though_its_steps_lose_i
     # the check tried plain decoding over a stretch, found it cheaper and holds it
     check = with_check.p.stats()["policy_check"]
     assert check["incumbent"] == PLAIN and check["swaps"] >= 1
+    # the verdict shows why: the bandit's stretches ran at 15, plain decoding's trial at 16
+    swap = next(v for v in check["verdicts"] if v["kept"] == PLAIN)
+    assert swap["batch"] == 15.0 and swap["trial_batch"] > 15.5
     assert with_check.plain_share(1000) > 0.9
     assert with_check.cost_per_token(1000) < 0.8e-3
 
