@@ -178,7 +178,7 @@ class PlannerConfig:
     prune_alpha_shift: float = _setting(0.1, "float", _gt(0))   # acceptance move that restores
     prune_demand_shift: float = _setting(1.5, "float", _gt(1))  # demand factor that restores
     # plain decoding against the bandit's choice over whole stretches (planner.policy_check)
-    policy_check: bool = _setting(False, "bool")
+    policy_check: bool = _setting(True, "bool")
     policy_check_min_batch: int = _setting(8, "int", _ge(1))       # running sequences before a check
     policy_check_margin: float = _setting(0.05, "float", _unit(False, True))   # a challenger's win
     policy_check_after_steps: int = _setting(96, "int", _ge(1))    # the first check, and after a swap

@@ -200,14 +200,14 @@ def _check_report(report, names, n_phases=3):
 
 @pytest.mark.slow
 def test_bench_dynamic_in_process(tmp_path):
-    names = ["ar", "adaptive", "adaptive@policy_check=true"]
+    names = ["ar", "adaptive", "adaptive@policy_check=false"]
     report, out = _run_cli(tmp_path, "--configs", ",".join(names), "--repeats", "2", "--shape", "mixed")
     _check_report(report, names, n_phases=2)
-    # the variant ran with its setting, adaptive without it, and both are weighed against the fixed
-    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive@policy_check=true"]
-            ["planner_summaries"]] == [True, True]
-    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive"]["planner_summaries"]] == [False] * 2
-    assert set(report["regret"]) == {"adaptive", "adaptive@policy_check=true"}
+    # the variant ran with its setting, adaptive with the default, and both are weighed against the fixed
+    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive@policy_check=false"]
+            ["planner_summaries"]] == [False, False]
+    assert [s["policy_check"]["enabled"] for s in report["configs"]["adaptive"]["planner_summaries"]] == [True] * 2
+    assert set(report["regret"]) == {"adaptive", "adaptive@policy_check=false"}
     assert report["shape"] == "mixed" and {"ttft_s", "tpot_s"} == set(report["targets"])
     assert sum(report["configs"]["adaptive"]["overall"]["mode_shares"].values()) == pytest.approx(1.0)
     assert "adaptive" in report["goals"]
