@@ -29,6 +29,11 @@ there so that a load that moves during the check moves both sides of the ratio.
   speculative): there is nothing to compare.
 * Held plain decoding gives way to the bandit as soon as the batch moves a factor 2 from where the
   verdict was taken: at another load the bandit's bins decide again, from the next check on.
+* No verdict where the incumbent's stretches before and after the trial ran at batches more
+  than ``max_batch_drift`` (a quarter) apart: the load moved under the check (between two
+  levels of a closed loop, say), and as a stretch's cost a token falls with its batch, the
+  mean of the two is no measure of the trial's middle (a challenger run while the load rises
+  looks cheap). The next check comes after the same gap.
 * Nothing while requests queue (admission has turned some away, :meth:`note_queue`): no check
   starts, a check under way is dropped and held plain decoding gives way to the bandit. A
   stretch's cost a token is what a closed loop of requests meets; under a queue a user meets the
@@ -77,8 +82,10 @@ class Stretch:
 class PolicyCheck:
     def __init__(self, enabled: bool = True, *, min_batch: int = 8, margin: float = 0.05,
                  first_after: int = 96, max_interval: int = 4096, seq_tokens: int = 48,
-                 min_steps: int = 16, settle: int = 7, max_verdicts: int = 64):
+                 min_steps: int = 16, settle: int = 7, max_verdicts: int = 64,
+                 max_batch_drift: float = 0.25):
         self.enabled = bool(enabled)
+        self.max_batch_drift = float(max_batch_drift)
         self.min_batch = int(min_batch)
         self.margin = float(margin)
         self.first_after = int(first_after)
@@ -99,6 +106,7 @@ class PolicyCheck:
         self._level = 0.0              # the batch the last verdict for plain decoding was taken at
         self._batch_avg = 0.0
         self.checks = self.swaps = self.skipped = self.left_on_load = self.left_on_queue = 0
+        self.moved = 0
         self._queued = False
         self.verdicts: deque = deque(maxlen=max_verdicts)
         self._step = 0
@@ -202,6 +210,14 @@ class PolicyCheck:
         ratio = self._trial.cost / incumbent_cost
         challenger = PLAIN if self.incumbent == BANDIT else BANDIT
         level = (self._before.mean_batch + after.mean_batch) / 2
+        low, high = sorted((self._before.mean_batch, after.mean_batch))
+        if high > low * (1.0 + self.max_batch_drift):
+            # the load moved under the check: a stretch's cost a token falls with its batch, so
+            # the mean of the two sides is no measure of the middle (no verdict, the same gap)
+            self.moved += 1
+            self._record("moved", ratio, level, self._trial.mean_batch)
+            self._start_run(self.incumbent, self._interval, settle=False)
+            return
         if ratio < 1.0 - self.margin:
             self.swaps += 1
             self._record(challenger, ratio, level, self._trial.mean_batch)
@@ -231,7 +247,7 @@ class PolicyCheck:
         """The counters and the last verdict (small enough for a log line)."""
         return {"enabled": self.enabled, "incumbent": self.incumbent, "checks": self.checks,
                 "swaps": self.swaps, "skipped": self.skipped, "left_on_load": self.left_on_load,
-                "left_on_queue": self.left_on_queue,
+                "left_on_queue": self.left_on_queue, "moved": self.moved,
                 "last_verdict": self.verdicts[-1] if self.verdicts else None}
 
     def stats(self) -> dict:

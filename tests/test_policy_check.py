@@ -149,6 +149,31 @@ def test_a_check_under_way_is_dropped_when_requests_start_to_queue():
     assert pc.checks == 1 and pc.left_on_queue == 1
 
 
+@pytest.mark.parametrize("after_batch, swaps", [(16, 1), (4, 0)])
+def test_no_verdict_when_the_load_moved_between_the_stretches_around_a_trial(after_batch, swaps):
+    # plain decoding costs 0.9x speculation a token at the same batch (a swap), but a stretch at
+    # batch 4 costs four times one at 16: a load that moves from 16 to 4 across the trial would
+    # make the incumbent look 2.5x dearer than it is
+    def cost(plain, batch):
+        return (0.9 if plain else 1.0) * 1e-3 * 16 / batch
+    pc = PolicyCheck(first_after=20, seq_tokens=4, min_steps=4, settle=2)
+    phase = "before"
+    while not pc.verdicts:
+        plain = pc.plain_only()
+        if plain:
+            phase = "trial"
+        elif phase == "trial":
+            phase = "after"
+        batch = after_batch if phase == "after" else 16
+        tokens = batch * (1 if plain else 2)
+        pc.observe(wall_s=tokens * cost(plain, batch), tokens=tokens, batch=batch, speculative=not plain)
+    assert pc.swaps == swaps
+    assert pc.moved == 1 - swaps
+    v = pc.verdicts[-1]
+    assert v["kept"] == (PLAIN if swaps else "moved")
+    assert not pc.plain_only() if not swaps else pc.plain_only()
+
+
 def test_the_checks_come_twice_as_far_apart_each_time_the_incumbent_holds():
     pc = PolicyCheck(first_after=100, max_interval=400, seq_tokens=4, min_steps=4, settle=2)
     trial_starts, was_plain = [], False
@@ -187,7 +212,7 @@ def test_a_planner_without_the_check_reports_it_idle_and_plays_as_the_bandit_alo
     assert sim.plain_share(300) < 0.2
     check = sim.p.summary()["policy_check"]
     assert check == {"enabled": False, "incumbent": BANDIT, "checks": 0, "swaps": 0, "skipped": 0,
-                     "left_on_load": 0, "left_on_queue": 0, "last_verdict": None}
+                     "left_on_load": 0, "left_on_queue": 0, "moved": 0, "last_verdict": None}
 
 
 def test_plain_steps_on_cores_the_engine_is_only_trying_are_left_out_of_the_stretches():
