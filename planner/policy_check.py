@@ -235,7 +235,7 @@ class PolicyCheck:
 
     def _record(self, kept: str, ratio: float | None, batch: float | None = None,
                 trial_batch: float | None = None) -> None:
-        """A verdict: the policy kept (or why the check stood aside: "left", "queue"), the
+        """A verdict: the policy kept (or why there was none: "left", "queue", "moved"), the
         challenger's cost over the incumbent's, and the running batch: the incumbent's stretches'
         mean and the challenger's (a verdict), else the incumbent's recent average."""
         self.verdicts.append({"step": self._step, "kept": kept,
