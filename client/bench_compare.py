@@ -101,6 +101,19 @@ def planner_variant(name: str, bases: tuple[str, ...] = ("auto",)) -> dict | Non
     return settings
 
 
+def check_variants(names, config_of, bases: tuple[str, ...] = ("auto",)) -> None:
+    """Every variant among `names` (`planner_variant` with `bases`) checked before anything
+    loads: `config_of(name)` is its engine configuration, built as `EngineConfig` here, so an
+    unknown key or a wrong type fails now, naming the configuration, not after the first runs."""
+    from backend.engine.config import EngineConfig
+    for n in names:
+        if planner_variant(n, bases) is not None:
+            try:
+                EngineConfig(**config_of(n))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"config {n!r}: {e}") from None
+
+
 def split_variant(settings: dict) -> tuple[dict, dict]:
     """A variant's settings as (the engine's keys, the planner's): a key that names one of the
     engine's settings (``auto@lend_drafter_cores=false``) is the engine's, any other the

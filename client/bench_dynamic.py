@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from client import dynamic_report as report_mod
-from client.bench_compare import planner_variant, split_variant
+from client.bench_compare import check_variants, planner_variant, split_variant
 from client.bench_offline import DEFAULT_DRAFTER, DEFAULT_TARGET
 from client.dynamic_report import Record, RunResult, Targets
 from client.load_shapes import SHAPES, Arrival, schedule
@@ -117,23 +117,11 @@ def engine_config(name: str, args, cores: list[int]) -> dict:
     cfg |= {"drafter": str(Path(args.drafter).resolve()), "drafter_device": "cpu"}
     if name in ("sd", "psd"):
         return cfg | {"mode": name, "gamma": args.gamma}
-    if name in ("adaptive", "adaptive_no_offload"):
+    if name in ADAPTIVE_BASES:
         planner = json.loads(args.planner) if args.planner else {}
         return cfg | {"mode": "auto", "gamma": args.gamma, "offload": name == "adaptive",
                       **({"planner": planner} if planner else {})}
     raise ValueError(f"unknown config {name!r}; choose from {CONFIGS} or adaptive@KEY=VALUE[+KEY=VALUE]")
-
-
-def check_variants(names: list[str], args) -> None:
-    """Every ``adaptive@...`` configuration's settings, checked before any run: an unknown key or
-    a wrong type fails now, not after the first configurations have run."""
-    from backend.engine.config import EngineConfig
-    for n in names:
-        if planner_variant(n, ADAPTIVE_BASES) is not None:
-            try:
-                EngineConfig(**engine_config(n, args, [0]))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"config {n!r}: {e}") from e
 
 
 def make_engine(name: str, args, cores: list[int]):
@@ -256,7 +244,7 @@ def run_dynamic_cli(args) -> int:
         raise ValueError("--repeats must be >= 1")
     if args.planner:
         json.loads(args.planner)       # fail now, not after the first runs
-    check_variants(names, args)
+    check_variants(names, lambda n: engine_config(n, args, [0]), ADAPTIVE_BASES)
     prompts = load_prompts(args.prompts)
     cores = sorted(os.sched_getaffinity(0))
     if not args.server:

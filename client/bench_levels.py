@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from client.bench_compare import build_engines, engine_config, planner_variant, run_level
+from client.bench_compare import build_engines, check_variants, engine_config, planner_variant, run_level
 from client.bench_offline import add_engine_args
 from client.plotting import pyplot
 from client.prompts import load_prompts
@@ -92,13 +92,7 @@ def run_levels_cli(args) -> int:
     unknown = [n for n in names if n not in CONFIGS and planner_variant(n) is None]
     if unknown:
         raise ValueError(f"unknown config(s) {unknown}; choose from {CONFIGS} or auto@KEY=VALUE[+KEY=VALUE]")
-    from backend.engine.config import EngineConfig
-    for n in names:                 # a variant's settings, checked before any engine loads
-        if planner_variant(n) is not None:
-            try:
-                EngineConfig(**engine_config(n, args)[0])
-            except ValueError as e:
-                raise ValueError(f"config {n!r}: {e}") from None
+    check_variants(names, lambda n: engine_config(n, args)[0])
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or any(p not in PATHS for p in paths):
         raise ValueError(f"--paths: choose from {PATHS}, got {args.paths!r}")
